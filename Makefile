@@ -1,0 +1,26 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint proto clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	VENV=$(VENV) scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/pdserve chat
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+proto: setup
+	$(PY) -m scripts.gen_proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache

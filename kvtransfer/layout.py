@@ -1,0 +1,187 @@
+"""KV-cache layout description, the compatibility check and block-run coalescing.
+
+The engine allocates one contiguous KV buffer per worker shaped
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` ("block_major").
+Block ``i`` is therefore one contiguous region at ``base + i * block_bytes`` and a run of
+consecutive block ids is one contiguous region: the transfer layer only ever moves whole
+blocks, described by integer addresses and byte counts (no torch here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Bytes per element for the KV dtypes we accept. Names follow torch/numpy spelling so the
+# engine can pass str(torch_dtype) (a "torch." prefix is stripped).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+# Only one layout exists today; the name travels in the handshake so a future layout
+# (e.g. layer-major) is rejected at registration time instead of corrupting KV.
+LAYOUTS: tuple[str, ...] = ("block_major",)
+
+# Fields that must agree between the two ends of a transfer (num_blocks may differ:
+# each side sizes its own pool).
+COMPAT_FIELDS: tuple[str, ...] = (
+    "layout",
+    "dtype",
+    "block_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+)
+
+
+class KVLayoutMismatch(ValueError):
+    """The two ends of a transfer disagree on how KV blocks are laid out."""
+
+    def __init__(self, message: str, fields: Sequence[str] = ()):
+        super().__init__(message)
+        self.fields: tuple[str, ...] = tuple(fields)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    # bool is an int subclass; reject it so True never silently means 1 block.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one worker's KV pool; block_bytes is what a transfer moves."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    layout: str = "block_major"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+            _check_int(name, getattr(self, name), 1)
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a str, got {type(self.dtype).__name__}")
+        dtype = self.dtype.removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+        object.__setattr__(self, "dtype", dtype)  # frozen: normalise once here
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+
+    @property
+    def dtype_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: all layers' K and V for block_size tokens."""
+        return (
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        ) * self.dtype_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        # Unknown keys are ignored so a newer peer can add fields without breaking us.
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:  # missing required keys
+            raise ValueError(f"bad KVLayout dict {data!r}: {exc}") from None
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise KVLayoutMismatch naming every field where local and remote disagree."""
+    diffs = [f for f in COMPAT_FIELDS if getattr(local, f) != getattr(remote, f)]
+    if diffs:
+        detail = ", ".join(
+            f"{f}: local={getattr(local, f)!r} remote={getattr(remote, f)!r}" for f in diffs
+        )
+        raise KVLayoutMismatch(f"incompatible KV layouts ({detail})", diffs)
+
+
+def coalesce(
+    src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Turn (src, dst) block pairs into runs (src_start, dst_start, num_blocks).
+
+    A run is a set of pairs where both src and dst ids are consecutive, so it is one
+    contiguous region on each side. Pairs are grouped by their diagonal (dst - src)
+    first, which makes the result minimal even for unsorted input or a source block
+    sent to several destinations. Runs come back ordered by dst_start.
+    """
+    src = list(src_block_ids)
+    dst = list(dst_block_ids)
+    if len(src) != len(dst):
+        raise ValueError(f"src has {len(src)} block ids but dst has {len(dst)}")
+    for name, ids in (("src", src), ("dst", dst)):
+        for b in ids:
+            _check_int(f"{name} block id", b, 0)
+    if len(set(dst)) != len(dst):
+        seen: set[int] = set()
+        dups = sorted({b for b in dst if b in seen or seen.add(b)})
+        raise ValueError(f"duplicate dst block ids: {dups[:10]}")
+
+    runs: list[tuple[int, int, int]] = []
+    # On one diagonal dst ids are unique, hence src ids too: consecutive src == a run.
+    for s, d in sorted(zip(src, dst), key=lambda p: (p[1] - p[0], p[0])):
+        if runs:
+            rs, rd, n = runs[-1]
+            if s == rs + n and d == rd + n:
+                runs[-1] = (rs, rd, n + 1)
+                continue
+        runs.append((s, d, 1))
+    runs.sort(key=lambda r: r[1])
+    return runs
+
+
+def to_regions(
+    runs: Iterable[tuple[int, int, int]],
+    src_base: int,
+    dst_base: int,
+    block_bytes: int,
+    max_region_bytes: int,
+) -> list[tuple[int, int, int]]:
+    """Turn block runs into byte regions (src_addr, dst_addr, length).
+
+    Regions longer than max_region_bytes are split so no single request is unbounded
+    (transports time out per request in proportion to its size).
+    """
+    _check_int("block_bytes", block_bytes, 1)
+    _check_int("max_region_bytes", max_region_bytes, 1)
+    regions: list[tuple[int, int, int]] = []
+    for s, d, n in runs:
+        src_addr = src_base + s * block_bytes
+        dst_addr = dst_base + d * block_bytes
+        length = n * block_bytes
+        for off in range(0, length, max_region_bytes):
+            regions.append((src_addr + off, dst_addr + off, min(max_region_bytes, length - off)))
+    return regions
+
+
+def batched(items: Sequence[Any], max_batch: int) -> list[Sequence[Any]]:
+    """Split items into consecutive chunks of at most max_batch."""
+    _check_int("max_batch", max_batch, 1)
+    return [items[i : i + max_batch] for i in range(0, len(items), max_batch)]

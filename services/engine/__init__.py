@@ -1,0 +1,18 @@
+"""The LLM engine shared by the prefill and decode workers (nano-vllm shaped)."""
+
+from services.engine.config import EngineConfig
+from services.engine.llm import LLM
+from services.engine.llm_engine import KVReservation, LLMEngine, NoFreeBlocksError
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "KVReservation",
+    "LLMEngine",
+    "NoFreeBlocksError",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Decoding only a small window of recent tokens keeps each step O(1) in the output
+length; a window ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next
+token."""
+
+from __future__ import annotations
+
+from services.engine.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def add_tokens(self, new_ids: list[int], check_stop: bool) -> str | None:
+        """Append tokens; returns the stop string that matched, if any (text is then
+        truncated at it)."""
+        if self.tokenizer is None:
+            return None
+        self.token_ids.extend(new_ids)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self.text += delta
+        if check_stop and self.params.stop:
+            return self._truncate_at_stop(len(delta))
+        return None
+
+    def _truncate_at_stop(self, delta_len: int) -> str | None:
+        # A stop string may span the previous text and the new delta.
+        search_from = max(0, len(self.text) - delta_len - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            idx = self.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+        self.text = self.text[:end]
+        return stop
+
+    def stable_text(self, finished: bool) -> str:
+        """Text safe to stream: while running, hold back a tail that could still
+        become a stop string."""
+        if finished or not self.params.stop:
+            return self.text
+        hold = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold] if hold else self.text
+
+    def flush(self) -> None:
+        """At the end of a request: emit whatever is still pending, even if it is an
+        incomplete character."""
+        if self.tokenizer is None or self._read_offset == len(self.token_ids):
+            return
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)

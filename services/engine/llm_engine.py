@@ -1,0 +1,356 @@
+"""The engine loop: tokenizer + scheduler + model runner + output processing.
+
+One class serves all three roles:
+- both: a normal colocated engine;
+- prefill: a sequence stops after its first sampled token and keeps its blocks
+  (status PREFILLED) until the caller has handed the KV over and calls release();
+- decode: reserve_remote_kv() allocates the blocks a remote prefill will fill, and
+  admit_remote() starts decoding once that KV and the first token have arrived.
+Not thread-safe: the caller drives it from one thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.model_runner import ModelRunner
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.sampler import SamplerOutput, SamplingRequest
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledSeq, Scheduler
+from services.engine.sequence import Logprob, Sequence, SequenceStatus
+from services.models.loader import load_hf_config, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free KV blocks right now; retry later."""
+
+
+@dataclass
+class KVReservation:
+    block_ids: list[int]
+    num_cached_tokens: int  # prompt tokens already cached here: their blocks need no KV
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    stop_token_ids: list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path, config.load_format)
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
+
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        max_model_len = config.max_model_len or model_max
+        self.runner = ModelRunner(
+            config, self.hf_config, self.model_path, max(max_model_len, model_max)
+        )
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is None:
+            max_model_len = min(max_model_len, capacity)
+        elif config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the KV cache capacity "
+                f"({num_blocks} blocks x {config.block_size} = {capacity} tokens)"
+            )
+        self.max_model_len = max_model_len
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be integers in [0, {vocab})")
+        return ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                "(a prompt must leave room for at least one generated token)"
+            )
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
+        self._register(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def _register(self, seq: Sequence) -> None:
+        params = seq.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator().manual_seed(params.seed)
+        elif not params.greedy:
+            generator = self._generator
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += self.eos_token_ids
+        self.requests[seq.seq_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer, params), generator, stop_ids
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        seq = req.seq
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        req = self.requests.get(request_id)
+        return req.seq if req else None
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        to_sample = [s for s in sched.scheduled if s.completes_prefill]
+        sampling = [self._sampling_request(s.seq) for s in to_sample]
+        result = self.runner.execute(sched.scheduled, sampling)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq, item.seq.num_computed_tokens)
+        return self._process_samples(to_sample, result) if result else []
+
+    def _sampling_request(self, seq: Sequence) -> SamplingRequest:
+        req = self.requests[seq.seq_id]
+        return SamplingRequest(
+            seq.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            req.stop_token_ids,
+            req.generator,
+        )
+
+    def _process_samples(
+        self, items: list[ScheduledSeq], result: SamplerOutput
+    ) -> list[RequestOutput]:
+        outputs = []
+        for item, token, lp in zip(items, result.token_ids, result.logprobs):
+            seq = item.seq
+            if self.config.role == "prefill" and seq.num_output_tokens == 0:
+                self._append_token(seq, token, lp)
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.PREFILLED  # blocks kept until release()
+                outputs.append(self._make_output(seq, finished=True))
+                continue
+            outputs.append(self._append_and_check(seq, token, lp))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            chosen, rank, top = lp
+            entry = {
+                tid: Logprob(val, r + 1, self._decode_one(tid)) for r, (tid, val) in enumerate(top)
+            }
+            entry[token] = Logprob(chosen, rank, self._decode_one(token))
+            seq.logprobs.append(entry)
+
+    def _append_and_check(self, seq: Sequence, token: int, lp) -> RequestOutput:
+        self._append_token(seq, token, lp)
+        req = self.requests[seq.seq_id]
+        params = seq.params
+        n_out = seq.num_output_tokens
+        min_reached = n_out >= params.min_tokens
+        stop_str = req.detok.add_tokens([token], check_stop=min_reached)
+        if stop_str is not None:
+            self._finish(seq, "stop", stop_str)
+        elif min_reached and token in req.stop_token_ids:
+            self._finish(
+                seq,
+                "stop",
+                None
+                if token in self.eos_token_ids and token not in params.stop_token_ids
+                else token,
+            )
+        elif params.max_tokens is not None and n_out >= params.max_tokens:
+            self._finish(seq, "length", None)
+        elif seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+        finished = seq.is_finished
+        if finished:
+            if (
+                seq.finish_reason != "stop"
+                or isinstance(seq.stop_reason, int)
+                or seq.stop_reason is None
+            ):
+                req.detok.flush()
+            self.requests.pop(seq.seq_id, None)
+        return self._make_output(seq, finished, req.detok)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _make_output(self, seq: Sequence, finished: bool, detok=None) -> RequestOutput:
+        detok = detok or self.requests[seq.seq_id].detok
+        completion = CompletionOutput(
+            index=0,
+            text=detok.stable_text(finished),
+            token_ids=seq.output_token_ids,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            seq.seq_id, seq.prompt_token_ids, [completion], finished, seq.num_cached_tokens
+        )
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    # -- prefill role -------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILLED sequence's blocks once its KV has been handed over; full
+        blocks stay behind as prefix cache."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.block_manager.free(req.seq)
+            req.seq.status = SequenceStatus.FINISHED
+
+    # -- decode role --------------------------------------------------------------------
+
+    def reserve_remote_kv(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> KVReservation:
+        """Allocate blocks for a prompt whose KV will be written by a prefill worker.
+        Blocks covering the first num_cached_tokens are local prefix-cache hits."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt_token_ids)
+        self.validate(ids, params)
+        seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
+        bm = self.block_manager
+        bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
+        if not bm.allocate(seq, seq.num_prompt_tokens):
+            bm.free(seq)
+            raise NoFreeBlocksError(
+                f"{bm.blocks_needed(seq.num_prompt_tokens)} KV blocks needed, "
+                f"{bm.num_free_blocks} free"
+            )
+        seq.status = SequenceStatus.AWAITING_KV
+        self._register(seq)
+        return KVReservation(list(seq.block_table), seq.num_cached_tokens)
+
+    def admit_remote(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
+        """The KV for the whole prompt is in place: start decoding after first_token.
+        first_logprob is (logprob, rank, [(token id, logprob)]) as the sampler makes it."""
+        req = self.requests.get(request_id)
+        if req is None or req.seq.status != SequenceStatus.AWAITING_KV:
+            raise ValueError(f"request {request_id!r} has no KV reservation")
+        seq = req.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.add_running(seq)
+        return self._append_and_check(seq, first_token, first_logprob)
+
+    # -- sizing -------------------------------------------------------------------------
+
+    def _blocks_that_fit(self) -> int:
+        block_bytes = self.runner.kv_spec.block_bytes
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
+            budget = int((free - (2 << 30)) * 0.9)
+        else:
+            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError("not enough memory for even one KV block")
+        return num_blocks
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prefix_cache_queried_blocks": bm.prefix_queries,
+        }
+
+
+def _load_tokenizer(model_path, load_format: str):
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((model_path / n).exists() for n in names):
+        # Random-weight and benchmark checkpoints often ship none: prompts are token ids.
+        log.warning("no tokenizer files in %s: only token-id prompts will work", model_path)
+        return None
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _eos_token_ids(model_path, tokenizer, hf_config) -> list[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path)
+        eos = gen.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except Exception:
+        pass  # no generation_config.json: fall back to the tokenizer / model config
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids and getattr(hf_config, "eos_token_id", None) is not None:
+        eos = hf_config.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(ids)

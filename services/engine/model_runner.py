@@ -1,0 +1,133 @@
+"""Owns the model weights and the KV cache; turns a scheduled batch into tensors,
+runs the forward pass and samples. It makes no policy decisions.
+
+KV cache layout ("block-major"): one tensor [num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]. A block holds every layer's K and V for its tokens in one
+contiguous region, so a run of consecutive blocks is one memory region: the KV of a
+request moves to another worker as a few large writes instead of 2 x num_layers
+small ones per block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
+from services.engine.scheduler import ScheduledSeq
+from services.kernels import AttentionMetadata, get_backend
+from services.models.loader import load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config, hf_config, model_path, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.torch_dtype_name]
+        torch.manual_seed(config.seed)
+        self.ops = get_backend(config.kernel_backend)
+        self.model = load_model(
+            hf_config,
+            model_path,
+            self.ops,
+            dtype=self.dtype,
+            device=self.device,
+            max_position=max_model_len,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        attn = self.model.attention_layers()[0]
+        self.kv_spec = KVCacheSpec(
+            num_layers=len(self.model.attention_layers()),
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler()
+        self.kv_cache = torch.empty(0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.kv_spec
+        self.kv_cache = torch.zeros(
+            num_blocks,
+            s.num_layers,
+            2,
+            s.block_size,
+            s.num_kv_heads,
+            s.head_dim,
+            dtype=s.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache = self.kv_cache[:, i, 0]
+            layer.v_cache = self.kv_cache[:, i, 1]
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: list[ScheduledSeq], sampling: list[SamplingRequest]
+    ) -> SamplerOutput | None:
+        """Run one step. `sampling` lists, in batch order, the sequences whose prefill
+        completes this step (they get a next token); returns None if there are none."""
+        input_ids, positions, meta, logits_rows = self._prepare(batch)
+        self.ops.prepare_attention(meta)
+        hidden = self.model(input_ids, positions, meta)
+        if not logits_rows:
+            return None
+        rows = torch.tensor(logits_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler(logits, sampling)
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.completes_prefill:
+                logits_rows.append(cu_seqlens[-1] - 1)
+        max_blocks = max(len(item.seq.block_table) for item in batch)
+        tables = [
+            item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in batch
+        ]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(item.num_new_tokens for item in batch),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, logits_rows

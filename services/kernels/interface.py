@@ -1,0 +1,78 @@
+"""The operations a model needs from a kernel backend, and the batch metadata
+attention reads. Backends implement every method with these exact semantics; the
+torch backend is the reference the others are tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of scheduled tokens (prefill chunks and decodes
+    mixed). Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; its KV
+    context after this step is seq_lens[i] tokens, addressed through block_tables[i]."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's KV goes to
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # filled once per step by KernelBackend.prepare_attention, read by every layer
+    backend_data: dict = field(default_factory=dict)
+
+
+class KernelBackend(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm(x + residual), x + residual)."""
+        ...
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style (rotate-half) RoPE. q: [T, Hq, D], k: [T, Hk, D];
+        cos_sin_cache: [max_pos, D] holding cos in the first D/2 columns, sin in the rest."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+        ...
+
+    def store_kv_cache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] (strided
+        views are allowed) at the given flat slots (block_id * block_size + offset)."""
+        ...
+
+    def prepare_attention(self, metadata: AttentionMetadata) -> None:
+        """Precompute per-step index tensors shared by all layers (optional)."""
+        ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over each sequence's cached context
+        (which already holds this step's keys). Returns [T, Hq, D]."""
+        ...

@@ -1,0 +1,95 @@
+"""Reference kernels in plain torch: correct on CPU and CUDA, the yardstick for the
+faster backends."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.kernels.interface import AttentionMetadata
+
+
+class TorchBackend:
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps):
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache):
+        cos_sin = cos_sin_cache[positions]
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        block_size = k_cache.shape[1]
+        blocks = slot_mapping // block_size
+        offsets = slot_mapping % block_size
+        k_cache[blocks, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+    def prepare_attention(self, metadata: AttentionMetadata) -> None:
+        # Pad the ragged batch to [num_seqs, max_len]: the gather indices and the mask
+        # are the same for every layer, so build them once per step.
+        device = metadata.seq_lens.device
+        bs = metadata.block_size
+        cu = metadata.cu_seqlens_q.to(torch.int64)
+        query_lens = cu[1:] - cu[:-1]
+        seq_lens = metadata.seq_lens.to(torch.int64)
+        max_q, max_k = metadata.max_query_len, metadata.max_seq_len
+
+        kv_pos = torch.arange(max_k, device=device)
+        blocks = metadata.block_tables.to(torch.int64)[:, kv_pos // bs]  # [B, max_k]
+        offsets = (kv_pos % bs).expand_as(blocks)
+
+        q_pos = torch.arange(max_q, device=device)
+        q_valid = q_pos.unsqueeze(0) < query_lens.unsqueeze(1)  # [B, max_q]
+        q_rows = (cu[:-1].unsqueeze(1) + q_pos.unsqueeze(0))[q_valid]
+        # Query i of a sequence sits at absolute position seq_len - query_len + i.
+        q_abs = (seq_lens - query_lens).unsqueeze(1) + q_pos.unsqueeze(0)  # [B, max_q]
+        mask = kv_pos.view(1, 1, -1) <= q_abs.unsqueeze(-1)  # [B, max_q, max_k]
+        mask &= kv_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+        mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no NaN
+        metadata.backend_data["torch"] = (blocks, offsets, q_valid, q_rows, mask.unsqueeze(1))
+
+    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+        if "torch" not in metadata.backend_data:
+            self.prepare_attention(metadata)
+        blocks, offsets, q_valid, q_rows, mask = metadata.backend_data["torch"]
+        keys = k_cache[blocks, offsets].transpose(1, 2)  # [B, Hk, max_k, D]
+        values = v_cache[blocks, offsets].transpose(1, 2)
+        num_seqs, max_q = q_valid.shape
+        if max_q == 1:  # decode-only step: one query row per sequence, no padding
+            padded_q = q.unsqueeze(1)
+        else:
+            padded_q = q.new_zeros(num_seqs, max_q, q.shape[1], q.shape[2])
+            padded_q[q_valid] = q[q_rows]
+        out = F.scaled_dot_product_attention(
+            padded_q.transpose(1, 2).to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        ).transpose(1, 2)
+        if max_q == 1:
+            return out.squeeze(1).to(q.dtype)
+        return out[q_valid].to(q.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)

@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA), also the base of Qwen3.
+
+q/k/v and gate/up projections are fused into one matmul each; the loader splits the
+checkpoint's separate tensors into the fused ones (see `packed_modules`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.kernels import AttentionMetadata, KernelBackend
+from services.models.rope import cos_sin_cache, rope_parameters
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelBackend):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache. The runner points k_cache / v_cache at
+    this layer's slice of the shared cache after allocating it."""
+
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, positions, hidden, cos_sin, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
+        self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, ops: KernelBackend):
+        super().__init__()
+        self.ops = ops
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, ops, qk_norm)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, positions, hidden, residual, cos_sin, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, input_ids, positions, cos_sin, meta):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, cos_sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    # checkpoint name -> (fused parameter name, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, ops: KernelBackend, max_position: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ops, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.cos_sin_cache = torch.empty(0)
+
+    def tie_weights(self) -> None:
+        # Module._apply (to_empty, .to) may replace parameters one module at a time,
+        # which silently unties them: call again after moving the model.
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope_cache(self, max_position: int, device) -> None:
+        head_dim = self.model.layers[0].self_attn.head_dim
+        table = cos_sin_cache(head_dim, max_position, rope_parameters(self.config))
+        self.cos_sin_cache = table.to(device)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        return self.model(input_ids, positions, self.cos_sin_cache, meta)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+    def shard_slice(self, fused_name: str, shard) -> tuple[int, int]:
+        """Row range of the fused parameter that a checkpoint shard fills."""
+        attn = self.model.layers[0].self_attn
+        if fused_name == "qkv_proj":
+            starts = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
+            sizes = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
+            return starts[shard], sizes[shard]
+        inter = self.config.intermediate_size
+        return shard * inter, inter

@@ -1,0 +1,22 @@
+"""Maps a checkpoint's `architectures` entry to our model class."""
+
+from __future__ import annotations
+
+from services.models.llama import LlamaForCausalLM
+from services.models.qwen3 import Qwen3ForCausalLM
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(hf_config):
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    raise ValueError(
+        f"unsupported architectures {hf_config.architectures!r}; "
+        f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+    )

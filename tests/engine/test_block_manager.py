@@ -1,0 +1,71 @@
+"""Block manager accounting: reference counts, prefix hits, LRU eviction."""
+
+from __future__ import annotations
+
+from services.engine.block_manager import BlockManager
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import Sequence
+
+
+def _seq(name, tokens):
+    return Sequence(name, list(tokens), SamplingParams())
+
+
+def _admit(bm: BlockManager, seq: Sequence) -> None:
+    bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
+    assert bm.allocate(seq, seq.num_tokens)
+    bm.cache_full_blocks(seq, seq.num_tokens)
+
+
+def test_shared_prefix_is_reference_counted():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = _seq("a", range(10))  # 2 full blocks + 2 tokens
+    _admit(bm, a)
+    assert bm.num_free_blocks == 7
+    b = _seq("b", list(range(8)) + [50, 51, 52])
+    _admit(bm, b)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert bm.num_free_blocks == 6
+    bm.free(a)
+    assert bm.num_free_blocks == 7  # shared blocks still held by b
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = _seq("a", [1, 2, 3, 4, 5])
+    _admit(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    again = _seq("again", [1, 2, 3, 4, 9])
+    assert len(bm.find_cached_prefix(again)) == 2
+    # A different sequence needing all four blocks evicts the cached ones.
+    other = _seq("other", [7, 7, 8, 8, 6, 6, 5])
+    _admit(bm, other)
+    assert bm.find_cached_prefix(_seq("x", [1, 2, 3, 4, 9])) == []
+    bm.free(other)
+    assert bm.num_free_blocks == 4
+
+
+def test_full_prompt_hit_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq("a", range(8))
+    _admit(bm, a)
+    b = _seq("b", range(8))
+    assert len(bm.find_cached_prefix(b)) == 1  # 7 tokens usable: one full block
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    seq = _seq("s", range(20))
+    assert not bm.allocate(seq, 20)
+    assert seq.block_table == [] and bm.num_free_blocks == 3
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a = _seq("a", range(6))
+    _admit(bm, a)
+    bm.free(a)
+    assert bm.find_cached_prefix(_seq("b", range(6))) == []

@@ -1,0 +1,312 @@
+"""Real Mooncake transfers over TCP on 127.0.0.1 (two engines in this process).
+
+Checks bytes exactly (per-block checksums), that untouched blocks stay untouched, that
+big scattered writes are chunked below the TCP per-peer queue limit, and that dead or
+hung peers raise KVTransferError within the timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
+
+from kvtransfer import (  # noqa: E402
+    KVAgentInfo,
+    KVLayout,
+    KVLayoutMismatch,
+    KVTransferError,
+    create_connector,
+)
+from kvtransfer.mooncake import MooncakeConnector  # noqa: E402
+
+# 1 KiB blocks: 2 layers x (K,V) x 4 tokens x 2 heads x 8 dims x 4 bytes.
+SMALL = dict(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+WRITER_BLOCKS = 2304
+READER_BLOCKS = 4608  # room for > 2048 isolated (every other) destination blocks
+
+
+class Worker:
+    """A connector plus the numpy buffer it registered (kept alive with it)."""
+
+    def __init__(self, num_blocks: int, seed: int, layout_kw: dict | None = None, **kw):
+        self.layout = KVLayout(num_blocks=num_blocks, **(layout_kw or SMALL))
+        self.buf = np.random.default_rng(seed).integers(
+            0, 256, self.layout.total_bytes, dtype=np.uint8
+        )
+        self.conn = create_connector("mooncake", hostname="127.0.0.1", **kw)
+        self.conn.register(self.buf.ctypes.data, self.buf.nbytes, self.layout)
+
+    @property
+    def info(self) -> KVAgentInfo:
+        return self.conn.agent_info()
+
+    def block(self, i: int) -> bytes:
+        bb = self.layout.block_bytes
+        return self.buf[i * bb : (i + 1) * bb].tobytes()
+
+    def digests(self) -> list[bytes]:
+        bb = self.layout.block_bytes
+        view = self.buf.reshape(self.layout.num_blocks, bb)
+        return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in view]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    writer = Worker(WRITER_BLOCKS, seed=1)
+    reader = Worker(READER_BLOCKS, seed=2)
+    writer.conn.add_peer(reader.info)
+    yield writer, reader
+    writer.conn.close()
+    reader.conn.close()
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """Run fn in a thread; fail (instead of hanging the suite) if it takes too long."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed back to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    start = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"call still running after {seconds}s"
+    box["elapsed"] = time.monotonic() - start
+    return box
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_copied(writer: Worker, reader: Worker, before: list[bytes], src, dst):
+    after = reader.digests()
+    src_digests = writer.digests()
+    mapping = dict(zip(dst, src))
+    for i, digest in enumerate(after):
+        if i in mapping:
+            assert digest == src_digests[mapping[i]], f"dst block {i} != src {mapping[i]}"
+        else:
+            assert digest == before[i], f"untouched dst block {i} changed"
+
+
+def test_agent_info_session_id_and_roundtrip(pair):
+    writer, reader = pair
+    info = reader.info
+    assert info.session_id.startswith("127.0.0.1:") and info.port > 0
+    assert info.base_addr == reader.buf.ctypes.data
+    assert info.layout == reader.layout and info.backend == "mooncake"
+    assert KVAgentInfo.from_json(info.to_json()) == info
+    assert writer.info.session_id != info.session_id
+
+
+def test_scattered_write_is_exact(pair):
+    writer, reader = pair
+    before = reader.digests()
+    # runs on both sides, a run that is consecutive only on one side, isolated blocks,
+    # unsorted order
+    src = [5, 6, 7, 8, 100, 101, 102, 300, 301, 50, 2000, 9, 1234]
+    dst = [10, 11, 12, 13, 500, 501, 502, 700, 900, 60, 4600, 14, 0]
+    stats = writer.conn.write_blocks(reader.info, src, dst, timeout_s=20)
+    assert stats.num_blocks == len(src)
+    assert stats.bytes == len(src) * writer.layout.block_bytes
+    assert stats.num_regions == 7  # 5..9->10..14, 100..102, 300, 301, 50, 2000, 1234
+    assert stats.num_batches == 1 and stats.seconds > 0
+    assert_copied(writer, reader, before, src, dst)
+    assert reader.block(0) == writer.block(1234)
+
+
+def test_more_than_2048_isolated_blocks_are_chunked(pair):
+    writer, reader = pair
+    before = reader.digests()
+    src = list(range(0, 2 * 1100, 2)) + list(range(1, 2 * 1100, 2))[:1000]  # 2100 blocks
+    dst = list(range(1, 2 * 2100, 2))  # every other block: nothing coalesces
+    stats = writer.conn.write_blocks(reader.info, src, dst, timeout_s=30)
+    assert stats.num_regions == 2100
+    assert stats.num_batches == 5  # max_batch 512
+    assert_copied(writer, reader, before, src, dst)
+
+
+def test_large_regions_are_split_and_exact():
+    layout_kw = dict(SMALL, block_size=64)  # 16 KiB blocks
+    writer = Worker(64, seed=3, layout_kw=layout_kw, max_region_bytes=40_000)
+    reader = Worker(96, seed=4, layout_kw=layout_kw)
+    try:
+        before = reader.digests()
+        src, dst = list(range(0, 40)), list(range(50, 90))
+        stats = writer.conn.write_blocks(reader.info, src, dst, timeout_s=20)
+        assert stats.num_regions == -(-40 * 16384 // 40_000)  # one run split in 17
+        assert_copied(writer, reader, before, src, dst)
+        assert writer.conn.write_blocks(reader.info, [], []).bytes == 0
+    finally:
+        writer.conn.close()
+        reader.conn.close()
+
+
+def test_incompatible_peer_rejected_at_add_peer(pair):
+    writer, _ = pair
+    other = Worker(8, seed=5, layout_kw=dict(SMALL, dtype="float16", head_dim=16))
+    try:
+        with pytest.raises(KVLayoutMismatch) as err:
+            writer.conn.add_peer(other.info)
+        assert set(err.value.fields) == {"dtype", "head_dim"}
+        assert other.info.session_id in str(err.value)
+        # write_blocks runs the same check before touching the network
+        with pytest.raises(KVLayoutMismatch):
+            writer.conn.write_blocks(other.info, [0], [0])
+        assert other.info.session_id not in [p.session_id for p in writer.conn.peers()]
+    finally:
+        other.conn.close()
+
+
+def test_bad_block_ids_raise_before_sending(pair):
+    writer, reader = pair
+    with pytest.raises(ValueError, match="dst block 4608 out of range"):
+        writer.conn.write_blocks(reader.info, [0], [READER_BLOCKS])
+    with pytest.raises(ValueError, match="src block 2304 out of range"):
+        writer.conn.write_blocks(reader.info, [WRITER_BLOCKS], [0])
+    with pytest.raises(ValueError, match="duplicate"):
+        writer.conn.write_blocks(reader.info, [0, 1], [3, 3])
+    with pytest.raises(ValueError, match="timeout_s"):
+        writer.conn.write_blocks(reader.info, [0], [0], timeout_s=0)
+
+
+def test_peer_that_never_existed_raises(pair):
+    writer, _ = pair
+    ghost = KVAgentInfo(f"127.0.0.1:{free_port()}", 1 << 32, writer.layout)
+    failed_before = writer.conn.stats()["transfers_failed"]
+    box = within(30, writer.conn.write_blocks, ghost, [0, 1, 2], [0, 1, 2], timeout_s=5)
+    exc = box.get("exc")
+    assert isinstance(exc, KVTransferError), box
+    assert ghost.session_id in str(exc) and exc.peer == ghost.session_id
+    assert box["elapsed"] < 10
+    assert writer.conn.stats()["transfers_failed"] == failed_before + 1
+
+
+def test_peer_that_closed_raises():
+    writer = Worker(16, seed=6)
+    reader = Worker(16, seed=7)
+    try:
+        writer.conn.write_blocks(reader.info, [1], [2], timeout_s=10)
+        assert reader.block(2) == writer.block(1)
+        info = reader.info
+        reader.conn.close()
+        box = within(30, writer.conn.write_blocks, info, [3], [4], timeout_s=5)
+        assert isinstance(box.get("exc"), KVTransferError), box
+        assert box["exc"].code == -1 or box["exc"].timed_out
+    finally:
+        writer.conn.close()
+        reader.conn.close()
+
+
+def test_hung_peer_times_out_without_blocking_other_peers(pair):
+    # A listener that accepts TCP connections but never answers: Mooncake's handshake
+    # would wait 60 s for it; write_blocks must give up at its own deadline.
+    _, reader = pair
+    writer = Worker(16, seed=8)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    hung = KVAgentInfo(f"127.0.0.1:{silent.getsockname()[1]}", 1 << 32, writer.layout)
+    try:
+        box = within(30, writer.conn.write_blocks, hung, [0], [0], timeout_s=1.0)
+        exc = box.get("exc")
+        assert isinstance(exc, KVTransferError) and exc.timed_out, box
+        assert hung.session_id in str(exc)
+        # the abandoned call still owns that peer: the next write fails fast too
+        box = within(30, writer.conn.write_blocks, hung, [1], [1], timeout_s=0.5)
+        assert isinstance(box.get("exc"), KVTransferError) and box["exc"].timed_out
+        # other peers are unaffected
+        before = reader.digests()
+        writer.conn.write_blocks(reader.info, [3, 4], [4000, 4001], timeout_s=10)
+        assert_copied(writer, reader, before, [3, 4], [4000, 4001])
+        stats = writer.conn.stats()
+        assert stats["transfers_timed_out"] == 2 and stats["transfers_ok"] == 1
+    finally:
+        silent.close()  # resets the pending handshake so the abandoned call returns
+        box = within(30, writer.conn.close)
+        assert "exc" not in box, box
+        assert writer.conn._engine is None  # destroyed, not leaked behind a live call
+
+
+def test_concurrent_writes_to_one_peer(pair):
+    writer, reader = pair
+    before = reader.digests()
+    jobs = [
+        (list(range(i * 40, i * 40 + 40, 2)), list(range(3000 + i * 40, 3020 + i * 40)))
+        for i in range(4)
+    ]
+    boxes: list[dict] = []
+    threads = [
+        threading.Thread(
+            target=lambda s=s, d=d: boxes.append(
+                within(30, writer.conn.write_blocks, reader.info, s, d, timeout_s=20)
+            )
+        )
+        for s, d in jobs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert len(boxes) == 4 and all("exc" not in b for b in boxes), boxes
+    src = [b for s, _ in jobs for b in s]
+    dst = [b for _, d in jobs for b in d]
+    assert_copied(writer, reader, before, src, dst)
+
+
+def test_stats_counters(pair):
+    writer, reader = pair
+    before = writer.conn.stats()
+    s = writer.conn.write_blocks(reader.info, [10, 11], [20, 21], timeout_s=10)
+    after = writer.conn.stats()
+    assert after["transfers_ok"] == before["transfers_ok"] + 1
+    assert after["bytes"] == before["bytes"] + s.bytes
+    assert after["blocks"] == before["blocks"] + 2
+    assert after["regions"] == before["regions"] + 1
+    assert after["seconds"] > before["seconds"]
+
+
+def test_register_validation_and_close_is_idempotent():
+    layout = KVLayout(num_blocks=4, **SMALL)
+    buf = np.zeros(layout.total_bytes, dtype=np.uint8)
+    conn = MooncakeConnector("127.0.0.1")
+    try:
+        with pytest.raises(RuntimeError, match="register"):
+            conn.agent_info()
+        with pytest.raises(ValueError, match="smaller"):
+            conn.register(buf.ctypes.data, buf.nbytes - 1, layout)
+        conn.register(buf.ctypes.data, buf.nbytes, layout)
+        with pytest.raises(RuntimeError, match="once"):
+            conn.register(buf.ctypes.data, buf.nbytes, layout)
+    finally:
+        conn.close()
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"protocol": "udp"}, "unknown protocol"),
+        ({"max_batch": 4096}, "queue limit"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_region_bytes": 0}, "max_region_bytes"),
+        ({"hostname": "127.0.0.1:1234"}, "without port"),
+    ],
+)
+def test_constructor_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MooncakeConnector(**kwargs)
