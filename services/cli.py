@@ -67,6 +67,98 @@ def _cmd_chat(args) -> int:
         print(answer if prompts is not None else f"model> {answer}", flush=True)
 
 
+def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=50061 if role == "prefill" else 50071,
+        help="gRPC port (0: pick a free one; the chosen one is printed)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: any free port)",
+    )
+    p.add_argument("--transfer-backend", default="mooncake")
+    p.add_argument("--transfer-protocol", default="tcp", help="tcp, rdma or nvlink_intra")
+    p.add_argument(
+        "--transfer-hostname",
+        default="127.0.0.1",
+        help="address other workers reach this worker's transfer engine at",
+    )
+    p.add_argument(
+        "--transfer-metadata",
+        default="P2PHANDSHAKE",
+        help="P2PHANDSHAKE or a metadata server URL (etcd://..., http://...)",
+    )
+    p.add_argument("--transfer-device", default="", help="RDMA device names, comma-separated")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get before they are aborted",
+    )
+    if role == "decode":
+        p.add_argument(
+            "--prefill-timeout",
+            type=float,
+            default=60.0,
+            help="deadline of a remote prefill (compute + KV transfer)",
+        )
+        p.add_argument(
+            "--prefill-failure-policy", default="recompute", choices=["recompute", "fail"]
+        )
+        p.add_argument(
+            "--reserve-timeout",
+            type=float,
+            default=30.0,
+            help="how long a request may wait for free KV blocks",
+        )
+
+
+def _cmd_worker(args) -> int:
+    import logging
+
+    from services.common.settings import WorkerSettings
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    role = args.command
+    settings = WorkerSettings(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        transfer_backend=args.transfer_backend,
+        transfer_protocol=args.transfer_protocol,
+        transfer_hostname=args.transfer_hostname,
+        transfer_metadata=args.transfer_metadata,
+        transfer_device=args.transfer_device,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        drain_timeout_s=args.drain_timeout,
+        **(
+            {}
+            if role == "prefill"
+            else dict(
+                prefill_timeout_s=args.prefill_timeout,
+                prefill_failure_policy=args.prefill_failure_policy,
+                reserve_timeout_s=args.reserve_timeout,
+            )
+        ),
+    )
+    config = engine_config_from_args(args, role)
+    if role == "prefill":
+        from services.prefill.server import run
+    else:
+        from services.decode.server import run
+    run(config, settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.set_defaults(func=_cmd_chat)
+    for role in ("prefill", "decode"):
+        worker = sub.add_parser(role, help=f"run a {role} worker (gRPC)")
+        _add_worker_args(worker, role)
+        worker.set_defaults(func=_cmd_worker)
     return parser
 
 

@@ -256,13 +256,16 @@ class LLMEngine:
 
     # -- prefill role -------------------------------------------------------------------
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         """Free a PREFILLED sequence's blocks once its KV has been handed over; full
-        blocks stay behind as prefix cache."""
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.block_manager.free(req.seq)
-            req.seq.status = SequenceStatus.FINISHED
+        blocks stay behind as prefix cache. False if the request is not PREFILLED."""
+        req = self.requests.get(request_id)
+        if req is None or req.seq.status != SequenceStatus.PREFILLED:
+            return False
+        del self.requests[request_id]
+        self.block_manager.free(req.seq)
+        req.seq.status = SequenceStatus.FINISHED
+        return True
 
     # -- decode role --------------------------------------------------------------------
 
@@ -300,6 +303,16 @@ class LLMEngine:
         seq.status = SequenceStatus.RUNNING
         self.scheduler.add_running(seq)
         return self._append_and_check(seq, first_token, first_logprob)
+
+    def prefill_locally(self, request_id: str) -> None:
+        """The remote prefill failed: compute the prompt here, in the reserved blocks
+        (a late remote write into them carries the same KV, so keeping them is safe)."""
+        req = self.requests.get(request_id)
+        if req is None or req.seq.status != SequenceStatus.AWAITING_KV:
+            raise ValueError(f"request {request_id!r} has no KV reservation")
+        seq = req.seq
+        seq.num_computed_tokens = seq.num_cached_tokens
+        self.scheduler.add(seq)
 
     # -- sizing -------------------------------------------------------------------------
 

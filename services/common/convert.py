@@ -1,0 +1,129 @@
+"""Protobuf <-> engine types, at the edge of the services. The engine never sees pb."""
+
+from __future__ import annotations
+
+from kvtransfer import KVAgentInfo, KVLayout
+from pdpb.v1 import common_pb2
+from services.engine import SamplingParams
+from services.engine.sequence import Logprob
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError for out-of-range values (callers answer INVALID_ARGUMENT)."""
+    kwargs: dict = dict(
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        stop=list(pb.stop),
+        stop_token_ids=list(pb.stop_token_ids),
+        include_stop_str_in_output=pb.include_stop_str_in_output,
+        ignore_eos=pb.ignore_eos,
+        min_tokens=pb.min_tokens,
+    )
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "logprobs",
+        "skip_special_tokens",
+    ):
+        if pb.HasField(name):
+            kwargs[name] = getattr(pb, name)
+    if "max_tokens" not in kwargs:
+        kwargs["max_tokens"] = None  # unset: until the context is full or a stop
+    return SamplingParams(**kwargs)
+
+
+def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop=p.stop,
+        stop_token_ids=p.stop_token_ids,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.max_tokens is not None:
+        pb.max_tokens = p.max_tokens
+    if p.seed is not None:
+        pb.seed = p.seed
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    return pb
+
+
+def logprob_to_pb(
+    token_id: int, entry: dict[int, Logprob], num_top: int
+) -> common_pb2.TokenLogprob:
+    chosen = entry[token_id]
+    # entry holds the top-n plus the chosen token, which may rank below them
+    top = sorted(
+        ((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda kv: kv[1].rank
+    )
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=chosen.logprob,
+        rank=chosen.rank,
+        token=chosen.decoded_token or "",
+        top=[
+            common_pb2.TopLogprob(token_id=tid, logprob=lp.logprob, token=lp.decoded_token or "")
+            for tid, lp in top
+        ],
+    )
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob, num_top: int):
+    """Back to the sampler's (logprob, rank, [(token id, logprob)]) form."""
+    top = [(t.token_id, t.logprob) for t in pb.top][:num_top]
+    return pb.logprob, pb.rank, top
+
+
+def finish_reason_to_pb(reason: str | None) -> int:
+    return _FINISH.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def agent_to_pb(info: KVAgentInfo) -> common_pb2.KVAgentInfo:
+    return common_pb2.KVAgentInfo(
+        session_id=info.session_id,
+        base_addr=info.base_addr,
+        layout=common_pb2.KVLayout(**info.layout.to_dict()),
+        backend=info.backend,
+        protocol=info.protocol,
+    )
+
+
+def agent_from_pb(pb: common_pb2.KVAgentInfo) -> KVAgentInfo:
+    """Raises ValueError for an incomplete or invalid description."""
+    fields = (
+        "num_blocks",
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "layout",
+    )
+    layout = KVLayout(**{f: getattr(pb.layout, f) for f in fields})
+    return KVAgentInfo(
+        session_id=pb.session_id,
+        base_addr=pb.base_addr,
+        layout=layout,
+        backend=pb.backend,
+        protocol=pb.protocol,
+    )

@@ -1,0 +1,105 @@
+"""Runs an LLMEngine on its own thread and lets asyncio code talk to it.
+
+The engine is not thread-safe, so every call into it (add, abort, reserve, admit)
+runs on the engine thread between steps. Outputs go back to the event loop through
+one asyncio.Queue per request."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from services.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.Queue()
+        )
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        self._thread.join(timeout)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread; its exception is re-raised here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def publish(self, out: RequestOutput) -> None:
+        """Called on the engine thread: hand an output to its request's stream."""
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def publish_error(self, request_id: str, error: BaseException) -> None:
+        """Wake a request's stream with an error (from any thread)."""
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, error)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.has_unfinished_requests()
+            self._drain_commands(block)
+            if self._stop.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a broken step must not kill the worker silently
+                log.exception("engine step failed")
+                self.last_error = e
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self.publish(out)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self.publish_error(request_id, error)

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one worker, on a registry the worker owns (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        labels = {"role": role}
+        self.requests = Counter(
+            "pdserve_worker_requests", "Requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.kv_transfers = Counter(
+            "pdserve_kv_transfers", "KV transfers by outcome", ["outcome"], registry=self.registry
+        )
+        self.kv_transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes transferred", registry=self.registry
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "KV transfer time", registry=self.registry
+        )
+        self.prefill_fallbacks = Counter(
+            "pdserve_prefill_fallbacks",
+            "Remote prefills that failed, by policy applied",
+            ["policy"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "pdserve_running_requests", "Running sequences", registry=self.registry
+        )
+        self.waiting = Gauge(
+            "pdserve_waiting_requests", "Waiting sequences", registry=self.registry
+        )
+        self.free_blocks = Gauge("pdserve_free_kv_blocks", "Free KV blocks", registry=self.registry)
+        self.total_blocks = Gauge("pdserve_total_kv_blocks", "KV blocks", registry=self.registry)
+        self.info = Gauge(
+            "pdserve_worker_info", "Worker role", list(labels), registry=self.registry
+        )
+        self.info.labels(**labels).set(1)
+        self.num_prefill_fallbacks = 0
+
+    def count_fallback(self, policy: str) -> None:
+        self.prefill_fallbacks.labels(policy).inc()
+        self.num_prefill_fallbacks += 1
+
+    def update_load(self, stats: dict) -> None:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        self.total_blocks.set(stats["num_total_blocks"])
+
+    def serve(self, host: str, port: int):
+        """Start the /metrics HTTP endpoint; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

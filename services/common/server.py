@@ -1,0 +1,149 @@
+"""gRPC server plumbing shared by the workers: health service (NOT_SERVING until the
+model is loaded), engine + KV connector start-up, graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvtransfer import KVConnector, KVLayout, create_connector
+from pdpb.v1 import common_pb2
+from services.common.engine_loop import EngineLoop
+from services.common.metrics import WorkerMetrics
+from services.common.settings import WorkerSettings
+from services.engine import EngineConfig, LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class WorkerContext:
+    """What a servicer needs once the worker is ready."""
+
+    def __init__(self, role: str, engine_config: EngineConfig, settings: WorkerSettings):
+        self.role = role
+        self.engine_config = engine_config
+        self.settings = settings
+        self.metrics = WorkerMetrics(role)
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.connector: KVConnector | None = None
+        self.ready = asyncio.Event()
+
+    def load(self) -> None:
+        """Blocking: load the model and register the KV cache with the transfer engine."""
+        engine = LLMEngine(self.engine_config)
+        spec = engine.runner.kv_spec
+        kv = engine.runner.kv_cache
+        layout = KVLayout(
+            num_blocks=kv.shape[0],
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            layout="block_major",
+        )
+        s = self.settings
+        connector = create_connector(
+            s.transfer_backend,
+            hostname=s.transfer_hostname,
+            protocol=s.transfer_protocol,
+            metadata=s.transfer_metadata,
+            device_name=s.transfer_device,
+        )
+        connector.register(kv.data_ptr(), kv.numel() * kv.element_size(), layout)
+        self.engine, self.connector = engine, connector
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.connector is not None:
+            self.connector.close()
+
+
+async def require_ready(ctx: WorkerContext, context: grpc.aio.ServicerContext) -> None:
+    if not ctx.ready.is_set():
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+
+async def serve(
+    role: str,
+    engine_config: EngineConfig,
+    settings: WorkerSettings,
+    add_servicers: Callable[[grpc.aio.Server, WorkerContext], list[str]],
+) -> None:
+    ctx = WorkerContext(role, engine_config, settings)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = add_servicers(server, ctx)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise ValueError(f"cannot listen on {settings.host}:{settings.port}")
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    metrics_port = None
+    if settings.metrics_port is not None:
+        metrics_server, _ = ctx.metrics.serve(settings.host, settings.metrics_port)
+        metrics_port = metrics_server.server_port
+    _announce("listening", role, settings.host, port, metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        load = asyncio.ensure_future(asyncio.to_thread(ctx.load))
+        done, _ = await asyncio.wait(
+            [load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+        )
+        if load in done:
+            load.result()  # re-raise a load failure
+            ctx.ready.set()
+            for name in ["", *service_names]:
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            _announce("ready", role, settings.host, port, metrics_port)
+            await stop.wait()
+    finally:
+        log.info("%s worker stopping: draining for up to %.0fs", role, settings.drain_timeout_s)
+        await health_servicer.enter_graceful_shutdown()
+        # New calls are refused; in-flight ones get the drain deadline, then are cancelled
+        # (their handlers abort their requests and free the blocks).
+        await server.stop(grace=settings.drain_timeout_s)
+        ctx.close()
+
+
+def _announce(event: str, role: str, host: str, port: int, metrics_port: int | None) -> None:
+    # One machine-readable line per event, so scripts and tests can find the ports.
+    line = {"event": event, "role": role, "address": f"{host}:{port}", "metrics_port": metrics_port}
+    print("PDSERVE " + json.dumps(line), flush=True)
+    sys.stdout.flush()
+
+
+def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
+    stats = ctx.engine.stats()
+    ctx.metrics.update_load(stats)
+    kv = ctx.connector.stats()
+    return common_pb2.LoadReport(
+        role=role,
+        model=ctx.engine_config.model,
+        num_running=stats["num_running"],
+        num_waiting=stats["num_waiting"],
+        num_free_blocks=stats["num_free_blocks"],
+        num_total_blocks=stats["num_total_blocks"],
+        max_model_len=ctx.engine.max_model_len,
+        kv_transfers_ok=int(kv.get("transfers_ok", 0)),
+        kv_transfers_failed=int(kv.get("transfers_failed", 0)),
+        kv_transfer_bytes=int(kv.get("bytes", 0)),
+        prefill_fallbacks=ctx.metrics.num_prefill_fallbacks,
+    )

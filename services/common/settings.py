@@ -1,0 +1,51 @@
+"""Worker settings (everything that is not the engine's), validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAILURE_POLICIES = ("recompute", "fail")
+TRANSFER_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
+
+
+@dataclass
+class WorkerSettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # Prometheus /metrics; None: off
+    # KV transfer
+    transfer_backend: str = "mooncake"
+    transfer_protocol: str = "tcp"
+    transfer_hostname: str = "127.0.0.1"  # the address peers reach this worker's engine at
+    transfer_metadata: str = "P2PHANDSHAKE"
+    transfer_device: str = ""  # RDMA device names, comma-separated
+    kv_transfer_timeout_s: float = 30.0
+    # decode side
+    prefill_timeout_s: float = 60.0
+    prefill_failure_policy: str = "recompute"
+    reserve_timeout_s: float = 30.0  # how long a request may wait for free KV blocks
+    # shutdown
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.transfer_protocol not in TRANSFER_PROTOCOLS:
+            raise ValueError(
+                f"transfer_protocol must be one of {TRANSFER_PROTOCOLS}, got {self.transfer_protocol!r}"
+            )
+        if self.prefill_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"prefill_failure_policy must be one of {FAILURE_POLICIES}, "
+                f"got {self.prefill_failure_policy!r}"
+            )
+        for name in (
+            "kv_transfer_timeout_s",
+            "prefill_timeout_s",
+            "reserve_timeout_s",
+            "drain_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")

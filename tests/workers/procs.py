@@ -1,0 +1,90 @@
+"""Start real worker processes on loopback and talk to them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdpb.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+
+@dataclass
+class Worker:
+    role: str
+    proc: subprocess.Popen
+    address: str = ""
+    log: list[str] = field(default_factory=list)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def load(self) -> common_pb2.LoadReport:
+        with self.channel() as ch:
+            stub = (
+                prefill_pb2_grpc.PrefillServiceStub(ch)
+                if self.role == "prefill"
+                else decode_pb2_grpc.DecodeServiceStub(ch)
+            )
+            return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+
+    def healthy(self) -> bool:
+        try:
+            with self.channel() as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2
+                )
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def wait_all_blocks_free(self, timeout: float = 1.0) -> common_pb2.LoadReport:
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.load()
+            if report.num_free_blocks == report.num_total_blocks or time.monotonic() > deadline:
+                return report
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_worker(role: str, *args: str, model: str, timeout: float = 120) -> Worker:
+    cmd = [PDSERVE, role, "--model", model, "--port", "0", "--num-kv-blocks", "256", *args]
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    worker = Worker(role, proc)
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            worker.log.append(line)
+            if line.startswith("PDSERVE "):
+                event = json.loads(line[len("PDSERVE ") :])
+                worker.address = event["address"]
+                if event["event"] == "ready":
+                    ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout):
+        worker.stop()
+        raise RuntimeError(f"{role} worker did not become ready:\n{''.join(worker.log[-30:])}")
+    return worker

@@ -1,0 +1,206 @@
+"""Acceptance of the workers issue: real prefill and decode processes on loopback, the
+real Mooncake engine over TCP, compared token for token with the colocated engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.engine import LLM, SamplingParams
+from tests.workers.procs import start_worker
+
+BLOCK = 16
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir):
+    return str(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def colocated(model):
+    return LLM(model)
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    # A small chunk budget on the prefill side makes long prompts chunked.
+    prefill = start_worker("prefill", "--max-num-batched-tokens", "64", model=model)
+    decode = start_worker("decode", model=model)
+    yield prefill, decode
+    for w in (prefill, decode):
+        w.stop()
+
+
+def generate(decode, prompt_ids, prefill=None, max_tokens=MAX_TOKENS, timeout=120, **params):
+    req = decode_pb2.GenerateRequest(
+        request_id=f"t-{time.monotonic_ns()}",
+        token_ids=common_pb2.TokenIds(ids=prompt_ids),
+        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+        prefill_address=prefill.address if prefill else "",
+    )
+    tokens, last = [], None
+    with decode.channel() as ch:
+        for resp in decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=timeout):
+            tokens.extend(resp.token_ids)
+            last = resp
+    return tokens, last
+
+
+def prompt_set(tok):
+    texts = [
+        "Hi",
+        "The capital of France is",
+        "Write a haiku about autumn leaves:",
+        "Explain photosynthesis to a child. " * 4,
+        " ".join(f"w{i}" for i in range(90)),
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    prompts.append(tok.encode(" ".join(str(i) for i in range(200)))[:BLOCK])  # exactly 1 block
+    prompts.append(tok.encode(" ".join(str(i) for i in range(200)))[: 3 * BLOCK])  # 3 blocks
+    prompts.append(tok.encode(" ".join(str(i) for i in range(200)))[: 3 * BLOCK + 1])
+    return prompts
+
+
+def expected(colocated, prompts, max_tokens=MAX_TOKENS):
+    outs = colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [o.output.token_ids for o in outs]
+
+
+def test_disaggregated_equals_colocated(pair, colocated):
+    prefill, decode = pair
+    prompts = prompt_set(colocated.tokenizer)
+    assert min(map(len, prompts)) < BLOCK and max(map(len, prompts)) > 64  # 1 block .. chunked
+    refs = expected(colocated, prompts)
+    before = prefill.load().kv_transfers_ok
+    for prompt, ref in zip(prompts, refs):
+        tokens, last = generate(decode, prompt, prefill)
+        assert tokens == ref
+        assert last.usage.prompt_tokens == len(prompt)
+        assert last.usage.completion_tokens == len(ref)
+        assert not last.timings.prefill_fallback
+    assert prefill.load().kv_transfers_ok - before == len(prompts)
+    # The same long prompt again: the decode worker caches its prefix, so only the
+    # last block travels.
+    long_prompt = max(prompts, key=len)
+    bytes_before = prefill.load().kv_transfer_bytes
+    tokens, last = generate(decode, long_prompt, prefill)
+    assert tokens == refs[prompts.index(long_prompt)]
+    assert last.usage.cached_tokens == (len(long_prompt) - 1) // BLOCK * BLOCK
+    sent = prefill.load().kv_transfer_bytes - bytes_before
+    block_bytes = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2 fp32
+    assert sent == block_bytes * (-(-len(long_prompt) // BLOCK) - last.usage.cached_tokens // BLOCK)
+    for w in pair:
+        report = w.wait_all_blocks_free()
+        assert report.num_free_blocks == report.num_total_blocks
+
+
+def test_32_concurrent_requests(pair, colocated):
+    prefill, decode = pair
+    prompts = [
+        colocated.tokenizer.encode(f"Request {i}: tell me about the number {i * 7}.")
+        for i in range(32)
+    ]
+    refs = expected(colocated, prompts)
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: generate(decode, p, prefill)[0], prompts))
+    assert results == refs
+    for w in pair:
+        report = w.wait_all_blocks_free()
+        assert report.num_free_blocks == report.num_total_blocks
+
+
+def test_bad_input_is_invalid_argument(pair):
+    _, decode = pair
+    cases = [
+        dict(prompt_ids=[], max_tokens=4),
+        dict(prompt_ids=[1, 2], max_tokens=4, top_p=1.5),
+        dict(prompt_ids=[10**8], max_tokens=4),
+        dict(prompt_ids=[5] * 10, max_tokens=10**6),
+    ]
+    for case in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(decode, case.pop("prompt_ids"), pair[0], **case)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+
+
+def _cancel_after(decode, prompt, prefill, when, max_tokens):
+    req = decode_pb2.GenerateRequest(
+        request_id=f"cancel-{time.monotonic_ns()}",
+        token_ids=common_pb2.TokenIds(ids=prompt),
+        sampling_params=common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ),
+        prefill_address=prefill.address,
+    )
+    with decode.channel() as ch:
+        call = decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=120)
+        if when == "prefill":
+            threading.Timer(0.5, call.cancel).start()
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+        else:
+            got = 0
+            for resp in call:
+                got += len(resp.token_ids)
+                if got >= 3:
+                    call.cancel()
+                    break
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_cancel_frees_blocks_on_both_workers(pair, when):
+    prefill, decode = pair
+    # ~1500 tokens prefilled in 64-token chunks: seconds of work to cancel in the middle of
+    long_prompt = [(i * 37) % 40000 + 100 for i in range(1500)]
+    _cancel_after(
+        decode,
+        long_prompt if when == "prefill" else long_prompt[:40],
+        prefill,
+        when,
+        max_tokens=200,
+    )
+    time.sleep(0.2)
+    for w in pair:
+        report = w.wait_all_blocks_free(timeout=1.0)
+        assert report.num_free_blocks == report.num_total_blocks, f"{w.role} leaked blocks"
+        assert report.num_running == 0 and report.num_waiting == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_mid_request(model, colocated, policy):
+    prefill = start_worker("prefill", "--max-num-batched-tokens", "64", model=model)
+    decode = start_worker("decode", "--prefill-failure-policy", policy, model=model)
+    try:
+        prompt = [(i * 37) % 40000 + 100 for i in range(1200)]
+        ref = expected(colocated, [prompt], max_tokens=8)[0]
+        threading.Timer(1.0, lambda: os.kill(prefill.proc.pid, signal.SIGKILL)).start()
+        if policy == "recompute":
+            tokens, last = generate(decode, prompt, prefill, max_tokens=8)
+            assert tokens == ref
+            assert last.timings.prefill_fallback
+            assert decode.load().prefill_fallbacks == 1
+        else:
+            with pytest.raises(grpc.RpcError) as err:
+                generate(decode, prompt, prefill, max_tokens=8)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "prefill worker" in err.value.details()
+        assert decode.healthy()
+        report = decode.wait_all_blocks_free()
+        assert report.num_free_blocks == report.num_total_blocks
+        # still serving: a local (colocated) request works
+        tokens, _ = generate(decode, prompt[:20], None, max_tokens=4)
+        assert tokens == expected(colocated, [prompt[:20]], max_tokens=4)[0]
+    finally:
+        prefill.stop()
+        decode.stop()
