@@ -80,7 +80,7 @@ class LLMEngine:
         )
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class LLMEngine:
         params = seq.params
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator().manual_seed(params.seed)
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         elif not params.greedy:
             generator = self._generator
         stop_ids = list(params.stop_token_ids)

@@ -57,27 +57,27 @@ def load_model(
     # Build on the meta device: skips the random init of every Linear (seconds on CPU).
     with torch.device("meta"):
         model = cls(hf_config, ops, max_position)
+    model.to(dtype)  # free on meta; allocating in the final dtype halves peak memory
     model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
         _load_safetensors(model, model_path)
-    model.to(dtype)
-    model.tie_weights()
     # RoPE tables stay fp32: bf16 angles lose the position precision long contexts need.
     model.init_rope_cache(max_position, device)
     return model.eval()
 
 
 def _init_dummy(model, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the model's device in its dtype: an 8B model must not pass through the CPU.
+    device = next(model.parameters()).device
+    gen = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-            continue
-        values = torch.empty(param.shape).uniform_(-0.05, 0.05, generator=gen)
-        param.data.copy_(values)
+        else:
+            param.data.uniform_(-0.05, 0.05, generator=gen)
 
 
 def _load_safetensors(model, model_path: Path) -> None:

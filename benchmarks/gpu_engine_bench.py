@@ -1,0 +1,140 @@
+"""Engine speed on one GPU with random weights of a real model shape (no downloads).
+
+Decode: time per step at batch B with ~ctx-token contexts, and model-bandwidth
+utilisation (weight bytes + KV bytes read per step / step time / copy bandwidth).
+Prefill: N prompts of L tokens, model FLOP rate.
+
+    python benchmarks/gpu_engine_bench.py --config benchmarks/configs/llama3-8b.json \\
+        --batch 1 8 64 256 --ctx 1024 --kernel-backend torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth(device) -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write bytes/s
+
+
+def model_dir(config_path: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix="pdserve-dummy-"))
+    shutil.copy(config_path, d / "config.json")
+    return d
+
+
+def main() -> None:
+    from services.engine import LLM, SamplingParams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/llama3-8b.json")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--prefill-prompts", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--kernel-backend", default="torch")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    cfg = json.loads(Path(args.config).read_text())
+    extra = {"enforce_eager": not args.cuda_graphs} if args.cuda_graphs else {}
+    llm = LLM(
+        str(model_dir(args.config)),
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        kernel_backend=args.kernel_backend,
+        max_num_seqs=max(args.batch),
+        max_num_batched_tokens=max(8192, args.prefill_len),
+        **extra,
+    )
+    engine = llm.engine
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    kv_token_bytes = engine.runner.kv_spec.block_bytes // engine.config.block_size
+    results = {
+        "copy_bandwidth_GBps": bw / 1e9,
+        "weight_GB": weight_bytes / 1e9,
+        "kernel_backend": args.kernel_backend,
+        "decode": [],
+        "prefill": None,
+    }
+    print(
+        f"copy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, "
+        f"floor {weight_bytes / bw * 1e3:.2f} ms/step",
+        flush=True,
+    )
+    vocab = cfg["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+
+    for b in args.batch:
+        prompts = [
+            torch.randint(10, vocab - 10, (args.ctx,), generator=gen).tolist() for _ in range(b)
+        ]
+        sp = SamplingParams(temperature=0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"b{b}-{i}", p, sp)
+        while any(
+            s.num_computed_tokens < s.num_prompt_tokens or s.num_output_tokens < 2
+            for s in engine.scheduler.running + list(engine.scheduler.waiting)
+        ):
+            engine.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.decode_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step = (time.perf_counter() - t) / args.decode_steps
+        while engine.has_unfinished_requests():
+            engine.step()
+        kv_bytes = b * (args.ctx + 8) * kv_token_bytes
+        mbu = (weight_bytes + kv_bytes) / step / bw
+        row = {"batch": b, "ms_per_step": step * 1e3, "tokens_per_s": b / step, "mbu": mbu}
+        results["decode"].append(row)
+        print(
+            f"decode batch {b:4d} ctx {args.ctx}: {step * 1e3:8.2f} ms/step "
+            f"{b / step:9.0f} tok/s  MBU {mbu:.2%}",
+            flush=True,
+        )
+
+    n, L = args.prefill_prompts, args.prefill_len
+    prompts = [torch.randint(10, vocab - 10, (L,), generator=gen).tolist() for _ in range(n)]
+    engine.block_manager.reset_prefix_cache()
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompts[:1], sp)  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    layers, hd, heads = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_attention_heads"]
+    flops = 2 * params * n * L + 2 * 2 * layers * heads * hd * n * L * L / 2  # GEMMs + causal attn
+    results["prefill"] = {"prompts": n, "len": L, "seconds": dt, "tflops": flops / dt / 1e12}
+    print(f"prefill {n} x {L}: {dt * 1e3:.1f} ms, {flops / dt / 1e12:.0f} TFLOP/s", flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
