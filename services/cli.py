@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -140,6 +141,7 @@ def _cmd_worker(args) -> int:
         transfer_device=args.transfer_device,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         drain_timeout_s=args.drain_timeout,
+        fault_pause_mid_transfer_s=float(os.environ.get("PDSERVE_FAULT_PAUSE_MID_TRANSFER_S", 0)),
         **(
             {}
             if role == "prefill"
@@ -159,6 +161,20 @@ def _cmd_worker(args) -> int:
     return 0
 
 
+def _cmd_router(args) -> int:
+    from router.cli import run_router
+
+    return run_router(args)
+
+
+def _cmd_up(args) -> int:
+    from services.launcher import run_up
+
+    if args.prefill < 0 or args.decode < 1:
+        raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    return run_up(args, args.worker_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,11 +188,33 @@ def build_parser() -> argparse.ArgumentParser:
         worker = sub.add_parser(role, help=f"run a {role} worker (gRPC)")
         _add_worker_args(worker, role)
         worker.set_defaults(func=_cmd_worker)
+
+    from router.cli import add_router_args
+
+    router = sub.add_parser("router", help="run the OpenAI-compatible router (HTTP)")
+    add_router_args(router)
+    router.set_defaults(func=_cmd_router)
+
+    up = sub.add_parser("up", help="start router + prefill + decode workers on this machine")
+    up.add_argument("--model", default="smollm2-135m")
+    up.add_argument("--host", default="127.0.0.1", help="router listen address")
+    up.add_argument("--port", type=int, default=8000, help="router port")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--device", default="cpu")
+    up.add_argument(
+        "worker_args",
+        nargs=argparse.REMAINDER,
+        help="after --: extra flags for every worker (e.g. -- --max-num-seqs 8)",
+    )
+    up.set_defaults(func=_cmd_up)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "worker_args", None) and args.worker_args[0] == "--":
+        args.worker_args = args.worker_args[1:]
     try:
         return args.func(args)
     except ValueError as e:

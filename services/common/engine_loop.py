@@ -39,10 +39,18 @@ class EngineLoop:
         self._thread.join(timeout)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn() on the engine thread; its exception is re-raised here."""
+        """Run fn() on the engine thread; its exception is re-raised here. If the caller
+        is cancelled before the engine thread gets to it, fn does not run."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
+
+    async def call_always(self, fn: Callable[[], Any]) -> Any:
+        """Like call(), but fn runs even if the caller is cancelled while waiting:
+        for cleanup (freeing blocks) in `finally` blocks of cancellable handlers."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.shield(asyncio.wrap_future(future))
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()

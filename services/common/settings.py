@@ -26,6 +26,9 @@ class WorkerSettings:
     reserve_timeout_s: float = 30.0  # how long a request may wait for free KV blocks
     # shutdown
     drain_timeout_s: float = 30.0
+    # Fault injection for tests only (env PDSERVE_FAULT_PAUSE_MID_TRANSFER_S): the prefill
+    # worker writes half of a request's blocks, pauses this long, then writes the rest.
+    fault_pause_mid_transfer_s: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

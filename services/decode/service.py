@@ -163,7 +163,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             loop.close_stream(rid)
             # cancelled, failed or finished: make sure nothing stays allocated
-            await loop.call(lambda: engine.abort_request(rid))
+            await loop.call_always(lambda: engine.abort_request(rid))
 
     def _prompt_ids(self, request) -> list[int]:
         engine = self.ctx.engine

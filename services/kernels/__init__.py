@@ -2,13 +2,19 @@
 
 Models call `ops.<name>(...)` on a backend object and never import a backend module
 directly, so `triton` and `aiter` backends plug in without touching the models.
+
+- torch:  plain torch, the reference (CPU and GPU).
+- triton: pdserve's own Triton kernels (services/kernels/triton/); NVIDIA and AMD GPUs,
+          or a CPU under TRITON_INTERPRET=1 (tests only: slow).
+- aiter:  AMD AITER's Triton kernels (native `import aiter` on ROCm, shimmed
+          `aiter.ops.triton.*` elsewhere) with the triton backend for the ops it lacks.
 """
 
 from __future__ import annotations
 
 from services.kernels.interface import AttentionMetadata, KernelBackend
 
-_BACKENDS = ("torch",)
+_BACKENDS = ("torch", "triton", "aiter")
 
 
 def get_backend(name: str = "torch") -> KernelBackend:
@@ -16,6 +22,25 @@ def get_backend(name: str = "torch") -> KernelBackend:
         from services.kernels.torch_backend import TorchBackend
 
         return TorchBackend()
+    if name == "triton":
+        try:
+            from services.kernels.triton_backend import TritonBackend
+        except ImportError as exc:
+            raise ValueError(
+                f"kernel backend 'triton' needs the triton package ({exc}); "
+                "pip install triton, or use kernel_backend='torch'"
+            ) from exc
+        return TritonBackend()
+    if name == "aiter":
+        try:
+            from services.kernels.aiter_backend import AiterBackend
+
+            return AiterBackend()
+        except ImportError as exc:  # includes aiter_shims.AiterUnavailable
+            raise ValueError(
+                f"kernel backend 'aiter' is unavailable here: {exc}; "
+                "use 'triton' or 'torch' instead"
+            ) from exc
     raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(_BACKENDS)}")
 
 

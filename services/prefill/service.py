@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from kvtransfer import KVAgentInfo, KVLayoutMismatch, KVTransferError
+from kvtransfer import KVAgentInfo, KVLayoutMismatch, KVTransferError, TransferStats
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
 from services.common.server import WorkerContext, load_report, require_ready
@@ -22,8 +22,9 @@ _ABORTED_TTL_S = 300.0
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
-        # request id -> set when its handler has let go of every block (transfer included)
-        self._inflight: dict[str, asyncio.Event] = {}
+        # request id -> (its handler task, set once the handler has let go of every block,
+        # the KV transfer included)
+        self._inflight: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
         # ids aborted before their Prefill arrived: refuse them when they do
         self._aborted: dict[str, float] = {}
 
@@ -77,7 +78,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
 
         done = asyncio.Event()
-        self._inflight[rid] = done
+        self._inflight[rid] = (asyncio.current_task(), done)
         stream = loop.open_stream(rid)
         started = time.perf_counter()
         try:
@@ -114,23 +115,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         finally:
             loop.close_stream(rid)
-            await loop.call(lambda: engine.release(rid) or engine.abort_request(rid))
-            self._inflight.pop(rid, None)
-            done.set()
+            try:
+                await loop.call_always(lambda: engine.release(rid) or engine.abort_request(rid))
+            finally:
+                self._inflight.pop(rid, None)
+                done.set()
 
     async def _transfer(self, peer: KVAgentInfo, src: list[int], dst: list[int]):
-        connector, metrics = self.ctx.connector, self.ctx.metrics
+        metrics = self.ctx.metrics
         timeout = self.ctx.settings.kv_transfer_timeout_s
-        task = asyncio.ensure_future(
-            asyncio.to_thread(connector.write_blocks, peer, src, dst, timeout)
-        )
+        pause = self.ctx.settings.fault_pause_mid_transfer_s
         try:
-            stats = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The caller is gone, but the write is still reading our blocks: wait for it
-            # before the blocks can be freed and reused.
-            await asyncio.wait([task])
-            raise
+            if pause > 0 and len(src) > 1:
+                half = len(src) // 2
+                first = await self._write(peer, src[:half], dst[:half], timeout)
+                log.warning("fault injection: pausing %.1fs mid-transfer", pause)
+                await asyncio.sleep(pause)
+                rest = await self._write(peer, src[half:], dst[half:], timeout)
+                stats = TransferStats(
+                    first.bytes + rest.bytes,
+                    len(src),
+                    first.num_regions + rest.num_regions,
+                    first.num_batches + rest.num_batches,
+                    first.seconds + rest.seconds,
+                )
+            else:
+                stats = await self._write(peer, src, dst, timeout)
         except KVTransferError:
             metrics.kv_transfers.labels("failed").inc()
             raise
@@ -139,16 +149,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         metrics.kv_transfer_seconds.observe(stats.seconds)
         return stats
 
+    async def _write(self, peer, src, dst, timeout):
+        task = asyncio.ensure_future(
+            asyncio.to_thread(self.ctx.connector.write_blocks, peer, src, dst, timeout)
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The caller is gone, but the write is still reading our blocks: wait for it
+            # (through repeated cancellations) before the blocks can be freed and reused.
+            while not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    continue
+            raise
+
     async def Abort(self, request, context):
         """Returns once nothing of the request can still write to the decode worker."""
         await require_ready(self.ctx, context)
         rid = request.request_id
-        done = self._inflight.get(rid)
-        if done is None:
+        entry = self._inflight.get(rid)
+        if entry is None:
             self._aborted[rid] = time.monotonic()
             return common_pb2.AbortResponse(found=False)
-        await self.ctx.loop.call(lambda: self.ctx.engine.abort_request(rid))
-        self.ctx.loop.publish_error(rid, asyncio.CancelledError("aborted"))
+        task, done = entry
+        task.cancel()  # the handler aborts the engine request; a write in flight finishes
         await asyncio.wait_for(done.wait(), self.ctx.settings.kv_transfer_timeout_s + 5)
         return common_pb2.AbortResponse(found=True)
 

@@ -56,6 +56,14 @@ class Worker:
                 return report
             time.sleep(0.05)
 
+    def wait_for_log(self, text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.log):
+                return True
+            time.sleep(0.02)
+        return False
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -65,9 +73,11 @@ class Worker:
                 self.proc.kill()
 
 
-def start_worker(role: str, *args: str, model: str, timeout: float = 120) -> Worker:
+def start_worker(
+    role: str, *args: str, model: str, timeout: float = 120, env: dict | None = None
+) -> Worker:
     cmd = [PDSERVE, role, "--model", model, "--port", "0", "--num-kv-blocks", "256", *args]
-    env = {**os.environ, "GLOG_minloglevel": "2"}
+    env = {**os.environ, "GLOG_minloglevel": "2", **(env or {})}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -132,7 +132,7 @@ def test_bad_input_is_invalid_argument(pair):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
-def _cancel_after(decode, prompt, prefill, when, max_tokens):
+def _cancel_after(decode, prompt, prefill, when, max_tokens, delay=0.5):
     req = decode_pb2.GenerateRequest(
         request_id=f"cancel-{time.monotonic_ns()}",
         token_ids=common_pb2.TokenIds(ids=prompt),
@@ -144,7 +144,7 @@ def _cancel_after(decode, prompt, prefill, when, max_tokens):
     with decode.channel() as ch:
         call = decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=120)
         if when == "prefill":
-            threading.Timer(0.5, call.cancel).start()
+            threading.Timer(delay, call.cancel).start()
             with pytest.raises(grpc.RpcError) as err:
                 for _ in call:
                     pass
@@ -158,18 +158,17 @@ def _cancel_after(decode, prompt, prefill, when, max_tokens):
                     break
 
 
-@pytest.mark.parametrize("when", ["prefill", "decode"])
-def test_cancel_frees_blocks_on_both_workers(pair, when):
+@pytest.mark.parametrize(
+    "when, delay",
+    [("prefill", 0.02), ("prefill", 0.2), ("prefill", 0.5), ("prefill", 1.0), ("decode", None)],
+)
+def test_cancel_frees_blocks_on_both_workers(pair, when, delay):
     prefill, decode = pair
-    # ~1500 tokens prefilled in 64-token chunks: seconds of work to cancel in the middle of
+    # ~1500 tokens prefilled in 64-token chunks: seconds of work to cancel in the middle of;
+    # several delays hit different moments (before the Prefill call, in it, in the engine)
     long_prompt = [(i * 37) % 40000 + 100 for i in range(1500)]
-    _cancel_after(
-        decode,
-        long_prompt if when == "prefill" else long_prompt[:40],
-        prefill,
-        when,
-        max_tokens=200,
-    )
+    prompt = long_prompt if when == "prefill" else long_prompt[:40]
+    _cancel_after(decode, prompt, prefill, when, max_tokens=200, delay=delay)
     time.sleep(0.2)
     for w in pair:
         report = w.wait_all_blocks_free(timeout=1.0)
@@ -178,13 +177,21 @@ def test_cancel_frees_blocks_on_both_workers(pair, when):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_killed_mid_request(model, colocated, policy):
-    prefill = start_worker("prefill", "--max-num-batched-tokens", "64", model=model)
+def test_prefill_killed_mid_transfer(model, colocated, policy):
+    # Injected fault: the prefill worker writes half of the blocks, then pauses; it is
+    # killed in that pause, with a transfer half done.
+    prefill = start_worker("prefill", model=model, env={"PDSERVE_FAULT_PAUSE_MID_TRANSFER_S": "30"})
     decode = start_worker("decode", "--prefill-failure-policy", policy, model=model)
     try:
-        prompt = [(i * 37) % 40000 + 100 for i in range(1200)]
+        prompt = [(i * 37) % 40000 + 100 for i in range(300)]
         ref = expected(colocated, [prompt], max_tokens=8)[0]
-        threading.Timer(1.0, lambda: os.kill(prefill.proc.pid, signal.SIGKILL)).start()
+
+        def kill_mid_transfer():
+            if prefill.wait_for_log("pausing", timeout=60):
+                os.kill(prefill.proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_transfer)
+        killer.start()
         if policy == "recompute":
             tokens, last = generate(decode, prompt, prefill, max_tokens=8)
             assert tokens == ref
@@ -195,12 +202,38 @@ def test_prefill_killed_mid_request(model, colocated, policy):
                 generate(decode, prompt, prefill, max_tokens=8)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "prefill worker" in err.value.details()
+        killer.join()
+        assert prefill.proc.wait(10) == -signal.SIGKILL  # it really died mid-transfer
         assert decode.healthy()
         report = decode.wait_all_blocks_free()
         assert report.num_free_blocks == report.num_total_blocks
         # still serving: a local (colocated) request works
         tokens, _ = generate(decode, prompt[:20], None, max_tokens=4)
         assert tokens == expected(colocated, [prompt[:20]], max_tokens=4)[0]
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_prefill_timeout_recomputes_and_stops_the_late_writer(model, colocated):
+    # The prefill worker stalls mid-transfer (injected) past the decode worker's deadline:
+    # the decode worker aborts it (so nothing lands in its blocks later) and recomputes.
+    prefill = start_worker("prefill", model=model, env={"PDSERVE_FAULT_PAUSE_MID_TRANSFER_S": "30"})
+    decode = start_worker("decode", "--prefill-timeout", "3", model=model)
+    try:
+        prompt = [(i * 41) % 40000 + 100 for i in range(200)]
+        start = time.monotonic()
+        tokens, last = generate(decode, prompt, prefill, max_tokens=8)
+        assert tokens == expected(colocated, [prompt], max_tokens=8)[0]
+        assert last.timings.prefill_fallback
+        assert time.monotonic() - start < 25  # not waiting out the 30 s stall
+        for w in (prefill, decode):
+            report = w.wait_all_blocks_free()
+            assert report.num_free_blocks == report.num_total_blocks, w.role
+        # only the first half was written; the aborted second half never was
+        block_bytes = 30 * 2 * BLOCK * 3 * 64 * 4
+        assert prefill.healthy()
+        assert prefill.load().kv_transfer_bytes == (len(prompt) // BLOCK + 1) // 2 * block_bytes
     finally:
         prefill.stop()
         decode.stop()

@@ -1,0 +1,357 @@
+{{/*
+One worker pool: Deployment, headless Service, PodDisruptionBudget, HorizontalPodAutoscaler
+and PodMonitor. prefill.yaml and decode.yaml call it with the role as argument:
+
+  {{ include "pdserve.worker" (dict "root" . "role" "prefill") }}
+
+`.Values.<role>` holds the pool's values; decode-only flags are added for role decode.
+*/}}
+{{- define "pdserve.worker" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $w := index $root.Values $role }}
+{{- $ctx := dict "root" $root "component" $role }}
+{{- $name := include "pdserve.componentName" $ctx }}
+{{- $e := $w.engine }}
+{{- $v := $root.Values }}
+{{- /* resources: the configured ones plus GPU, RDMA and huge pages */}}
+{{- $res := deepCopy ($w.resources | default dict) }}
+{{- $limits := $res.limits | default dict }}
+{{- $requests := $res.requests | default dict }}
+{{- if gt (int $w.gpu.count) 0 }}
+{{- $_ := set $limits $w.gpu.resource (int $w.gpu.count) }}
+{{- $_ := set $requests $w.gpu.resource (int $w.gpu.count) }}
+{{- end }}
+{{- if gt (int $w.rdma.count) 0 }}
+{{- $_ := set $limits $w.rdma.resource (int $w.rdma.count) }}
+{{- $_ := set $requests $w.rdma.resource (int $w.rdma.count) }}
+{{- end }}
+{{- $hugepages := "" }}
+{{- if $w.hugepages.amount }}
+{{- $hugepages = printf "hugepages-%s" $w.hugepages.size }}
+{{- $_ := set $limits $hugepages $w.hugepages.amount }}
+{{- $_ := set $requests $hugepages $w.hugepages.amount }}
+{{- end }}
+{{- $_ := set $res "limits" $limits }}
+{{- $_ := set $res "requests" $requests }}
+{{- /* container security context: RDMA memory registration needs IPC_LOCK */}}
+{{- $sc := deepCopy ($v.securityContext | default dict) }}
+{{- if gt (int $w.rdma.count) 0 }}
+{{- $caps := deepCopy ($sc.capabilities | default dict) }}
+{{- $_ := set $caps "add" (concat ($caps.add | default list) (list "IPC_LOCK") | uniq) }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not $w.autoscaling.enabled }}
+  replicas: {{ $w.replicas }}
+  {{- end }}
+  strategy:
+    {{- toYaml $w.strategy | nindent 4 }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.selectorLabels" $ctx | nindent 8 }}
+        {{- with $w.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $w.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.podSecurityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if $w.hostIPC }}
+      hostIPC: true
+      {{- end }}
+      {{- with $w.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      {{- with $w.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $w.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pdserve.image" $root | quote }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          args:
+            - pdserve
+            - {{ $role }}
+            - --model
+            - {{ $v.model.name | quote }}
+            - --device
+            - {{ $e.device | quote }}
+            - --dtype
+            - {{ $e.dtype | quote }}
+            - --load-format
+            - {{ $e.loadFormat | quote }}
+            - --block-size
+            - {{ $e.blockSize | int | quote }}
+            {{- if $e.numKvBlocks }}
+            - --num-kv-blocks
+            - {{ $e.numKvBlocks | int | quote }}
+            {{- else }}
+            - --kv-cache-memory-gb
+            - {{ $e.kvCacheMemoryGb | toString | quote }}
+            {{- end }}
+            - --max-num-seqs
+            - {{ $e.maxNumSeqs | int | quote }}
+            - --max-num-batched-tokens
+            - {{ $e.maxNumBatchedTokens | int | quote }}
+            {{- if $e.maxModelLen }}
+            - --max-model-len
+            - {{ $e.maxModelLen | int | quote }}
+            {{- end }}
+            {{- if not $e.enablePrefixCaching }}
+            - --no-prefix-caching
+            {{- end }}
+            - --host
+            - "0.0.0.0"
+            - --port
+            - {{ $w.port | int | quote }}
+            - --metrics-port
+            - {{ $w.metricsPort | int | quote }}
+            - --transfer-backend
+            - {{ $v.kvTransfer.backend | quote }}
+            - --transfer-protocol
+            - {{ $v.kvTransfer.protocol | quote }}
+            - --transfer-hostname
+            - "$(POD_IP)"
+            - --transfer-metadata
+            - {{ $v.kvTransfer.metadata | quote }}
+            {{- if $w.transferDevice }}
+            - --transfer-device
+            - {{ $w.transferDevice | quote }}
+            {{- end }}
+            - --kv-transfer-timeout
+            - {{ $v.kvTransfer.timeout | toString | quote }}
+            - --drain-timeout
+            - {{ $w.drainTimeout | toString | quote }}
+            {{- if eq $role "decode" }}
+            - --prefill-timeout
+            - {{ $w.prefillTimeout | toString | quote }}
+            - --prefill-failure-policy
+            - {{ $w.prefillFailurePolicy | quote }}
+            - --reserve-timeout
+            - {{ $w.reserveTimeout | toString | quote }}
+            {{- end }}
+            {{- range $w.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          env:
+            # the address the other pool's transfer engine reaches this pod at
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: PDSERVE_CACHE_DIR
+              value: {{ $v.model.cache.path | quote }}
+            - name: GLOG_minloglevel
+              value: {{ $v.kvTransfer.logLevel | toString | quote }}
+            - name: TOKENIZERS_PARALLELISM
+              value: "false"
+            {{- if eq $v.kvTransfer.protocol "nvlink_intra" }}
+            # without it Mooncake silently falls back to TCP
+            - name: MC_INTRANODE_NVLINK
+              value: "1"
+            {{- end }}
+            {{- with $w.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $w.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $w.metricsPort }}
+              protocol: TCP
+          # grpc.health.v1 answers NOT_SERVING until the model is loaded: the startup probe
+          # gives the load periodSeconds x failureThreshold, then readiness / liveness take over.
+          startupProbe:
+            grpc:
+              port: {{ $w.port }}
+            {{- toYaml $w.probes.startup | nindent 12 }}
+          readinessProbe:
+            grpc:
+              port: {{ $w.port }}
+            {{- toYaml $w.probes.readiness | nindent 12 }}
+          livenessProbe:
+            grpc:
+              port: {{ $w.port }}
+            {{- toYaml $w.probes.liveness | nindent 12 }}
+          resources:
+            {{- toYaml $res | nindent 12 }}
+          {{- with $sc }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            - name: home
+              mountPath: /home/pdserve
+            - name: shm
+              mountPath: /dev/shm
+            {{- if ne $v.model.source "bundled" }}
+            - name: model
+              mountPath: {{ $v.model.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if ne $v.model.cache.type "image" }}
+            - name: model-cache
+              mountPath: {{ $v.model.cache.path }}
+            {{- end }}
+            {{- if $hugepages }}
+            - name: hugepages
+              mountPath: /dev/hugepages
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        - name: home
+          emptyDir: {}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $w.shmSize }}
+        {{- if eq $v.model.source "pvc" }}
+        - name: model
+          persistentVolumeClaim:
+            claimName: {{ required "model.pvc.claimName is required when model.source is pvc" $v.model.pvc.claimName }}
+            readOnly: true
+        {{- else if eq $v.model.source "hostPath" }}
+        - name: model
+          hostPath:
+            path: {{ required "model.hostPath.path is required when model.source is hostPath" $v.model.hostPath.path }}
+            type: {{ $v.model.hostPath.type }}
+        {{- end }}
+        {{- if eq $v.model.cache.type "emptyDir" }}
+        - name: model-cache
+          emptyDir:
+            sizeLimit: {{ $v.model.cache.sizeLimit }}
+        {{- else if eq $v.model.cache.type "pvc" }}
+        - name: model-cache
+          persistentVolumeClaim:
+            claimName: {{ required "model.cache.claimName is required when model.cache.type is pvc" $v.model.cache.claimName }}
+        {{- end }}
+        {{- if $hugepages }}
+        - name: hugepages
+          emptyDir:
+            medium: HugePages-{{ $w.hugepages.size }}
+        {{- end }}
+---
+# Headless: the router resolves this name to one address per ready pod.
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "pdserve.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $w.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    - name: metrics
+      port: {{ $w.metricsPort }}
+      targetPort: metrics
+      protocol: TCP
+{{- if $w.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- include "pdserve.pdbSpec" $w.podDisruptionBudget | trim | nindent 2 }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- if $w.autoscaling.enabled }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ $name }}
+  minReplicas: {{ $w.autoscaling.minReplicas }}
+  maxReplicas: {{ $w.autoscaling.maxReplicas }}
+  metrics:
+    {{- include "pdserve.hpaMetrics" $w.autoscaling | nindent 4 }}
+{{- end }}
+{{- if $v.monitoring.podMonitor.enabled }}
+---
+apiVersion: monitoring.coreos.com/v1
+kind: PodMonitor
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+    {{- with $v.monitoring.podMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+  podMetricsEndpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $v.monitoring.podMonitor.interval }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,143 @@
+"""`pdserve router`: command-line flags and the process entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from router.config import RouterConfig
+from router.policies import POLICIES
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    p.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="prefill worker gRPC host:port (repeatable; a DNS name resolving to several "
+        "addresses is several workers, re-resolved periodically)",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="ADDR", help="decode worker, as --prefill"
+    )
+    policies = sorted(POLICIES)
+    p.add_argument("--prefill-policy", choices=policies, default=d.prefill_policy)
+    p.add_argument("--decode-policy", choices=policies, default=d.decode_policy)
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"accepted API key(s), comma-separated or repeated (also ${API_KEY_ENV}); "
+        "none: no authentication",
+    )
+    p.add_argument(
+        "--admin-token", default=None, help=f"token for /admin endpoints (also ${ADMIN_TOKEN_ENV})"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the model the workers report)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--request-timeout", type=float, default=d.request_timeout, help="seconds per request"
+    )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=d.health_interval,
+        help="seconds between worker health probes",
+    )
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout)
+    p.add_argument(
+        "--dns-interval",
+        type=float,
+        default=d.dns_interval,
+        help="seconds between re-resolutions of worker DNS names",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=d.max_concurrent_requests,
+        help="requests in flight before answering 429 (0: no limit)",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="other pairs to try when a worker fails before the first token",
+    )
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    keys = list(args.api_key) or [os.environ.get(API_KEY_ENV, "")]
+    api_keys = tuple(k.strip() for arg in keys for k in arg.split(",") if k.strip())
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        api_keys=api_keys,
+        admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        dns_interval=args.dns_interval,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_retries=args.max_retries,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM. Raises ValueError for a bad configuration."""
+    from aiohttp import web
+
+    from router.app import create_app
+
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("pdserve.router").info(
+        "router on %s:%d, prefill %s (%s), decode %s (%s)",
+        config.host,
+        config.port,
+        list(config.prefill),
+        config.prefill_policy,
+        list(config.decode),
+        config.decode_policy,
+    )
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,  # a client that goes away cancels its worker requests
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__)
+    add_router_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_router(args)
+    except ValueError as e:
+        parser.error(str(e))
+        return 2

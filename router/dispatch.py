@@ -1,0 +1,218 @@
+"""Sending one request's choices to workers: pair choice, retries, cancellation.
+
+Each choice (prompt x n) runs as its own task that picks a (decode, prefill) pair,
+calls DecodeService.Generate and puts the responses into a queue the HTTP handler
+reads. A worker that fails before the choice's first token is replaced by another pair
+(up to max_retries times); after the first token the failure ends the choice with an
+error. Leaving the run (finished, failed or the client went away) cancels every task,
+which cancels its gRPC call, so the workers abort the request and free its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from pdpb.v1 import decode_pb2
+from router.errors import RETRYABLE, APIError, from_grpc, unavailable
+from router.metrics import RouterMetrics
+from router.pairing import Avoid, choose_pair
+from router.policies import make_policy
+from router.protocol import GenerationRequest
+from router.registry import Worker, WorkerRegistry
+from router.request_id import RequestLog
+
+_QUEUE_SIZE = 1024  # responses buffered per request before the workers' streams wait
+
+
+@dataclass
+class Event:
+    index: int
+    resp: decode_pb2.GenerateResponse | None = None
+    error: APIError | None = None
+    decode: Worker | None = None
+    prefill: Worker | None = None
+
+
+class Dispatcher:
+    def __init__(self, registry: WorkerRegistry, metrics: RouterMetrics):
+        self.registry = registry
+        self.config = registry.config
+        self.metrics = metrics
+        self.decode_policy = make_policy(self.config.decode_policy)
+        self.prefill_policy = make_policy(self.config.prefill_policy)
+        self._active: set[str] = set()  # worker-side request ids in flight
+
+    def run(
+        self,
+        req: GenerationRequest,
+        request_id: str,
+        log: RequestLog,
+        worker_model: str | None,
+    ) -> GenerationRun:
+        return GenerationRun(self, req, request_id, log, worker_model)
+
+
+class GenerationRun:
+    """`async with dispatcher.run(...) as run: async for event in run.events(): ...`"""
+
+    def __init__(self, dispatcher, req, request_id, log, worker_model):
+        self.d = dispatcher
+        self.req = req
+        self.request_id = request_id
+        self.log = log
+        self.worker_model = worker_model
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + dispatcher.config.request_timeout
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(_QUEUE_SIZE)
+        self.tasks: list[asyncio.Task] = []
+        self.first_token_at: dict[int, float] = {}
+        self.pairs: dict[int, str] = {}  # choice -> "decode<-prefill" of its last attempt
+        # A client may reuse an X-Request-Id; worker-side ids must be unique.
+        base = request_id
+        if base in dispatcher._active:
+            base = f"{request_id}.{uuid.uuid4().hex[:8]}"
+        self.base_id = base
+
+    async def __aenter__(self) -> GenerationRun:
+        self.d._active.add(self.base_id)
+        self.tasks = [
+            asyncio.create_task(self._choice(i), name=f"{self.request_id}/{i}")
+            for i in range(self.req.num_choices)
+        ]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.d._active.discard(self.base_id)
+
+    async def events(self):
+        """Every choice's responses and errors, as they come, until all have ended."""
+        left = self.req.num_choices
+        while left:
+            ev = await self.queue.get()
+            now = time.monotonic()
+            if ev.resp is not None and ev.index not in self.first_token_at:
+                self.first_token_at[ev.index] = now
+                self.d.metrics.ttft.observe(now - self.started_at)
+            if ev.error is not None or ev.resp.finish_reason:
+                left -= 1
+                if ev.resp is not None:
+                    self._observe_final(ev.index, ev.resp, now)
+            yield ev
+        self.d.metrics.e2e.observe(time.monotonic() - self.started_at)
+
+    def _observe_final(self, index: int, resp, now: float) -> None:
+        m = self.d.metrics
+        usage = resp.usage
+        m.generation_tokens.inc(usage.completion_tokens)
+        if index % self.req.n == 0:
+            m.prompt_tokens.inc(usage.prompt_tokens)
+        if usage.completion_tokens > 1:
+            m.tpot.observe((now - self.first_token_at[index]) / (usage.completion_tokens - 1))
+        if resp.HasField("timings"):
+            m.observe_timings(resp.timings)
+
+    def _worker_id(self, index: int, attempt: int) -> str:
+        rid = self.base_id if self.req.num_choices == 1 else f"{self.base_id}-{index}"
+        return rid if attempt == 0 else f"{rid}-r{attempt}"
+
+    async def _choice(self, index: int) -> None:
+        req, cfg, registry = self.req, self.d.config, self.d.registry
+        prompt = req.prompts[index // req.n]
+        key = prompt.prefix_key()
+        avoid = Avoid()
+        error: APIError | None = None
+        for attempt in range(cfg.max_retries + 1):
+            pair = choose_pair(
+                registry.usable_pairs(self.worker_model),
+                key,
+                self.d.decode_policy,
+                self.d.prefill_policy,
+                avoid,
+            )
+            if pair is None:
+                error = error or unavailable(
+                    "no healthy pair of prefill and decode workers is available"
+                )
+                break
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            decode, prefill = pair
+            gen = decode_pb2.GenerateRequest(
+                request_id=self._worker_id(index, attempt),
+                sampling_params=req.sampling_params(index),
+                prefill_address=prefill.address,
+                return_prompt=req.echo and prompt.text is None,
+                **prompt.to_pb_fields(),
+            )
+            code, details, started = await self._attempt(index, gen, decode, prefill, remaining)
+            if code is None:
+                return
+            self.log.warning(
+                "choice %d attempt %d on decode %s / prefill %s failed: %s: %s",
+                index,
+                attempt,
+                decode.address,
+                prefill.address,
+                code.name,
+                details,
+            )
+            if code == grpc.StatusCode.UNAVAILABLE:
+                registry.kick()  # is the worker gone? find out now, not at the next probe
+            error = from_grpc(code, details, cfg.retry_after)
+            if started or code not in RETRYABLE:
+                break
+            avoid.add(decode.address, prefill.address)
+            if attempt < cfg.max_retries:
+                self.d.metrics.retries.labels(code.name).inc()
+        if error is None or (time.monotonic() >= self.deadline and error.status == 503):
+            error = unavailable(
+                f"the request did not complete within {cfg.request_timeout:g}s"
+                + (f" ({error.message})" if error else "")
+            )
+        await self.queue.put(Event(index, error=error))
+
+    async def _attempt(self, index, gen, decode: Worker, prefill: Worker, timeout: float):
+        """One Generate call. Returns (None, "", True) when the choice finished, else the
+        failure (code, details, whether a token was already passed on)."""
+        self.pairs[index] = f"{decode.address}<-{prefill.address}"
+        self.log.debug(
+            "choice %d -> decode %s, prefill %s (worker request id %s)",
+            index,
+            decode.address,
+            prefill.address,
+            gen.request_id,
+        )
+        decode.inflight += 1
+        prefill.inflight += 1
+        decode.requests += 1
+        prefill.requests += 1
+        prefilling = True
+        started = False
+        call = decode.stub.Generate(
+            gen, timeout=timeout, metadata=(("x-request-id", gen.request_id),)
+        )
+        try:
+            async for resp in call:
+                if prefilling:
+                    prefill.inflight -= 1
+                    prefilling = False
+                started = True
+                await self.queue.put(Event(index, resp=resp, decode=decode, prefill=prefill))
+                if resp.finish_reason:
+                    return None, "", True
+            return grpc.StatusCode.UNAVAILABLE, "the worker ended the stream unfinished", started
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details(), started
+        finally:
+            call.cancel()
+            decode.inflight -= 1
+            if prefilling:
+                prefill.inflight -= 1

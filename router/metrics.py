@@ -1,0 +1,139 @@
+"""Prometheus metrics of one router app, in a registry the app owns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class WorkerCollector:
+    """Per-worker gauges read from the registry at scrape time (no stale labels)."""
+
+    def __init__(self, workers: Callable[[], Iterable]):
+        self._workers = workers
+
+    def collect(self):
+        labels = ["role", "address"]
+        healthy = GaugeMetricFamily(
+            "pdserve_router_worker_healthy", "1 when the worker passes health checks", labels=labels
+        )
+        inflight = GaugeMetricFamily(
+            "pdserve_router_worker_inflight", "this router's requests on the worker", labels=labels
+        )
+        sent = CounterMetricFamily(
+            "pdserve_router_worker_requests",
+            "requests this router sent to the worker",
+            labels=labels,
+        )
+        report = {
+            name: GaugeMetricFamily(f"pdserve_router_worker_{name}", doc, labels=labels)
+            for name, doc in (
+                ("num_running", "running sequences (worker LoadReport)"),
+                ("num_waiting", "waiting sequences (worker LoadReport)"),
+                ("num_free_blocks", "free KV blocks (worker LoadReport)"),
+                ("num_total_blocks", "total KV blocks (worker LoadReport)"),
+                ("kv_transfers_ok", "KV transfers completed (worker LoadReport)"),
+                ("kv_transfers_failed", "KV transfers failed (worker LoadReport)"),
+                ("kv_transfer_bytes", "KV bytes transferred (worker LoadReport)"),
+                ("prefill_fallbacks", "remote prefills recomputed locally (worker LoadReport)"),
+            )
+        }
+        for w in self._workers():
+            values = [w.role, w.address]
+            healthy.add_metric(values, 1.0 if w.healthy else 0.0)
+            inflight.add_metric(values, w.inflight)
+            sent.add_metric(values, w.requests)
+            if w.load is not None:
+                for name, family in report.items():
+                    family.add_metric(values, getattr(w.load, name))
+        yield from (healthy, inflight, sent, *report.values())
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], Iterable] | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "pdserve_router_stream_errors",
+            "streams ended by an error event after the first token",
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries", "attempts retried on another pair", ["code"], registry=r
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight_requests", "generation requests in flight", registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "request arrival to first token, per choice",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_router_time_per_output_token_seconds",
+            "time per output token after the first, per choice",
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_request_latency_seconds",
+            "request arrival to last token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "pdserve_router_queue_time_seconds",
+            "time queued on the workers (worker Timings)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve_router_prefill_time_seconds",
+            "prefill time on the prefill worker (worker Timings)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.kv_transfer = Histogram(
+            "pdserve_router_kv_transfer_time_seconds",
+            "KV transfer time (worker Timings)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            "pdserve_router_prefill_fallbacks",
+            "requests whose remote prefill failed and ran on the decode worker",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_router_prompt_tokens", "prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_router_generation_tokens", "tokens generated", registry=r
+        )
+        if workers is not None:
+            r.register(WorkerCollector(workers))
+
+    def observe_timings(self, timings) -> None:
+        """A finished choice's worker Timings (pdpb.v1.Timings)."""
+        self.queue.observe(timings.queue_seconds)
+        if timings.prefill_seconds:
+            self.prefill.observe(timings.prefill_seconds)
+        if timings.kv_transfer_seconds:
+            self.kv_transfer.observe(timings.kv_transfer_seconds)
+        if timings.prefill_fallback:
+            self.prefill_fallbacks.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,86 @@
+"""aiohttp middlewares: request id + error shaping + request metrics, and auth."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from router.errors import APIError
+from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG, RequestLog, accept_or_create
+from router.state import STATE
+
+log = logging.getLogger("pdserve.router")
+
+
+def _endpoint(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "other"
+
+
+@web.middleware
+async def request_context(request: web.Request, handler):
+    """X-Request-Id in and out, OpenAI-shaped errors (never a bare 500 for bad input),
+    and the requests-by-status counter."""
+    rid = accept_or_create(request.headers.get(HEADER))
+    request[REQUEST_ID] = rid
+    request[REQUEST_LOG] = RequestLog(log, rid)
+    metrics = request.app[STATE].metrics
+    status = 500
+    try:
+        try:
+            resp = await handler(request)
+        except APIError as e:
+            resp = e.response()
+        except web.HTTPException as e:  # 404 / 405 from routing, 413 from aiohttp
+            resp = APIError(e.status, e.text or e.reason).response()
+            resp.headers.update({k: v for k, v in e.headers.items() if k == "Allow"})
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away
+            request[REQUEST_LOG].info("%s %s: client disconnected", request.method, request.path)
+            raise
+        except Exception:
+            request[REQUEST_LOG].exception("%s %s failed", request.method, request.path)
+            resp = APIError(500, "internal router error", code="internal_error").response()
+        status = resp.status
+        if not resp.prepared:
+            resp.headers[HEADER] = rid
+        return resp
+    finally:
+        metrics.requests.labels(_endpoint(request), str(status)).inc()
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(token: str | None, keys) -> bool:
+    if token is None:
+        return False
+    # compare against every key so the time taken says nothing about which one matched
+    return any([hmac.compare_digest(token.encode(), k.encode()) for k in keys])
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    """API keys guard /v1; the admin token guards /admin. Probes and metrics are open."""
+    config = request.app[STATE].config
+    path = request.path
+    if path.startswith("/v1/") and config.api_keys:
+        token = _bearer(request)
+        if not _matches(token, config.api_keys):
+            msg = (
+                "You didn't provide an API key (Authorization: Bearer <key>)."
+                if token is None
+                else "Incorrect API key provided."
+            )
+            raise APIError(401, msg, code="invalid_api_key")
+    elif path.startswith("/admin/") and config.admin_token:
+        token = _bearer(request) or request.headers.get("X-Admin-Token")
+        if not _matches(token, [config.admin_token]):
+            raise APIError(401, "a valid admin token is required", code="invalid_admin_token")
+    return await handler(request)

@@ -1,0 +1,207 @@
+"""OpenAI response bodies and stream chunks built from the workers' GenerateResponses."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from pdpb.v1 import common_pb2
+from router.protocol import GenerationRequest
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def _lp(value: float) -> float:
+    # JSON has no -inf; OpenAI-compatible servers send a large negative number instead
+    return value if math.isfinite(value) else -9999.0
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # pdpb TokenLogprob
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: common_pb2.Usage | None = None
+    prompt_text: str | None = None
+    started: bool = False
+    text_offset: int = 0  # completions logprobs: characters so far
+
+
+class ResponseBuilder:
+    def __init__(self, req: GenerationRequest, request_id: str, model: str):
+        self.req = req
+        self.model = model
+        self.created = int(time.time())
+        self.chat = req.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.states = [ChoiceState(i) for i in range(req.num_choices)]
+
+    # ----------------------------------------------------------------- accumulation
+
+    def add(self, index: int, resp) -> tuple[ChoiceState, bool, str]:
+        """Record a response; returns (state, first response?, text to relay)."""
+        s = self.states[index]
+        first = not s.started
+        s.started = True
+        text = resp.text
+        if first and self.req.echo:
+            prompt = self.req.prompts[index // self.req.n]
+            s.prompt_text = prompt.text if prompt.text is not None else resp.prompt_text
+            text = s.prompt_text + text
+            s.text_offset = len(s.prompt_text)
+        s.text.append(text)
+        s.token_ids.extend(resp.token_ids)
+        s.logprobs.extend(resp.logprobs)
+        if resp.finish_reason:
+            s.finish_reason = FINISH_REASONS.get(resp.finish_reason, "stop")
+            which = resp.WhichOneof("stop_reason")
+            s.stop_reason = getattr(resp, which) if which else None
+            s.usage = resp.usage
+        return s, first, text
+
+    # ----------------------------------------------------------------- logprobs
+
+    def _chat_logprobs(self, lps) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+
+        def entry(tok: str, lp: float) -> dict:
+            return {"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8"))}
+
+        return {
+            "content": [
+                {
+                    **entry(lp.token, lp.logprob),
+                    "top_logprobs": [entry(t.token, t.logprob) for t in lp.top][
+                        : self.req.logprobs
+                    ],
+                }
+                for lp in lps
+            ]
+        }
+
+    def _completion_logprobs(self, s: ChoiceState, lps) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            top = {t.token: _lp(t.logprob) for t in list(lp.top)[: self.req.logprobs]}
+            top.setdefault(lp.token, _lp(lp.logprob))
+            out["tokens"].append(lp.token)
+            out["token_logprobs"].append(_lp(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(s.text_offset)
+            s.text_offset += len(lp.token)
+        return out
+
+    # ----------------------------------------------------------------- usage
+
+    def usage(self) -> dict:
+        n = self.req.n
+        prompt = cached = completion = 0
+        for p in range(len(self.req.prompts)):
+            usages = [s.usage for s in self.states[p * n : (p + 1) * n] if s.usage is not None]
+            prompt += max((u.prompt_tokens for u in usages), default=0)
+            cached += max((u.cached_tokens for u in usages), default=0)
+            completion += sum(u.completion_tokens for u in usages)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # ----------------------------------------------------------------- streaming
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, index: int, resp) -> list[dict]:
+        """The stream chunks for one worker response of choice `index`."""
+        s, first, text = self.add(index, resp)
+        out = []
+        finish = s.finish_reason if resp.finish_reason else None
+        if self.chat:
+            if first:
+                role = {"role": "assistant", "content": ""}
+                out.append(
+                    self._chunk(
+                        [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]
+                    )
+                )
+            if not (text or resp.logprobs or finish):
+                return out
+            choice = {
+                "index": index,
+                "delta": {"content": text} if text or resp.logprobs else {},
+                "logprobs": self._chat_logprobs(resp.logprobs),
+                "finish_reason": finish,
+            }
+        else:
+            if not (text or resp.logprobs or finish):
+                return out
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": self._completion_logprobs(s, resp.logprobs),
+                "finish_reason": finish,
+            }
+        if finish:
+            choice["stop_reason"] = s.stop_reason
+        out.append(self._chunk([choice]))
+        return out
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    # ----------------------------------------------------------------- whole response
+
+    def response(self) -> dict:
+        choices = []
+        for s in self.states:
+            text = "".join(s.text)
+            if self.chat:
+                choice = {
+                    "index": s.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(s.logprobs),
+                }
+            else:
+                s.text_offset = len(s.prompt_text or "")
+                choice = {
+                    "index": s.index,
+                    "text": text,
+                    "logprobs": self._completion_logprobs(s, s.logprobs),
+                }
+            choice["finish_reason"] = s.finish_reason
+            choice["stop_reason"] = s.stop_reason
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }

@@ -1,0 +1,219 @@
+"""HTTP handlers: the OpenAI endpoints, models, probes and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router import sse
+from router.errors import APIError, bad_request, overloaded, unavailable
+from router.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG
+from router.responses import ResponseBuilder
+from router.state import STATE, RouterState
+
+
+async def read_json(request: web.Request, limit: int):
+    """The parsed body; 413 over `limit` bytes, 400 when it is not JSON."""
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(
+            413, f"the request body exceeds {limit} bytes", code="request_too_large"
+        ) from None
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def resolve_model(state: RouterState, requested: str | None) -> tuple[str, str | None]:
+    """(the model name to answer with, the model the workers must report or None)."""
+    served = state.config.served_model_name
+    if served is not None:
+        if requested not in (None, served):
+            raise _no_model(requested)
+        return served, None
+    models = state.registry.models()
+    if not models:
+        raise unavailable("no healthy workers: the model is not available yet")
+    if requested is None:
+        return models[0], models[0]
+    if requested not in models:
+        raise _no_model(requested)
+    return requested, requested
+
+
+def _no_model(name: str) -> APIError:
+    return APIError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def check_context(state: RouterState, req: GenerationRequest, worker_model: str | None) -> None:
+    """Token-id prompts can be checked against the context here; text and chat prompts
+    are checked by the worker after tokenizing (INVALID_ARGUMENT -> 400)."""
+    limit = state.registry.max_model_len(worker_model)
+    if not limit:
+        return
+    for p in req.prompts:
+        if p.token_ids is None:
+            continue
+        n, m = len(p.token_ids), req.max_tokens or 0
+        if n >= limit or n + m > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + m} tokens ({n} in the prompt, {m} in the completion). Please "
+                f"reduce the length of the prompt or completion.",
+                param="max_tokens" if n < limit else "prompt",
+                code="context_length_exceeded",
+            )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat_request)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion_request)
+
+
+async def _generate(request: web.Request, parse) -> web.StreamResponse:
+    state = request.app[STATE]
+    log = request[REQUEST_LOG]
+    req = parse(await read_json(request, state.config.max_body_bytes))
+    model, worker_model = resolve_model(state, req.model)
+    check_context(state, req, worker_model)
+    if not state.limit.try_acquire():
+        raise overloaded(
+            f"the router is at its limit of {state.limit.limit} concurrent requests",
+            state.config.retry_after,
+        )
+    state.metrics.inflight.inc()
+    started = time.monotonic()
+    builder = ResponseBuilder(req, request[REQUEST_ID], model)
+    try:
+        async with state.dispatcher.run(req, request[REQUEST_ID], log, worker_model) as run:
+            if req.stream:
+                resp = await _stream(request, run, builder)
+            else:
+                resp = await _complete(run, builder)
+        usage = builder.usage()
+        log.info(
+            "%s done: model=%s workers=%s prompt_tokens=%d completion_tokens=%d e2e=%.3fs",
+            request.path,
+            model,
+            ",".join(run.pairs[i] for i in sorted(run.pairs)),
+            usage["prompt_tokens"],
+            usage["completion_tokens"],
+            time.monotonic() - started,
+        )
+        return resp
+    except asyncio.CancelledError:
+        log.info("%s cancelled (client disconnected); worker requests cancelled", request.path)
+        raise
+    finally:
+        state.limit.release()
+        state.metrics.inflight.dec()
+
+
+async def _complete(run, builder: ResponseBuilder) -> web.Response:
+    async with contextlib.aclosing(run.events()) as events:
+        async for ev in events:
+            if ev.error is not None:
+                raise ev.error  # leaving the run cancels the other choices
+            builder.add(ev.index, ev.resp)
+    return web.json_response(builder.response())
+
+
+async def _stream(request: web.Request, run, builder: ResponseBuilder) -> web.StreamResponse:
+    state = request.app[STATE]
+    async with contextlib.aclosing(run.events()) as events:
+        # Wait for the first token before answering 200, so a failure before it is
+        # still a proper HTTP error (after retries on other pairs).
+        ev = await anext(events)
+        if ev.error is not None:
+            raise ev.error
+        resp = web.StreamResponse(headers={**sse.HEADERS, HEADER: request[REQUEST_ID]})
+        await resp.prepare(request)
+        try:
+            while True:
+                if ev.error is not None:
+                    state.metrics.stream_errors.inc()
+                    request[REQUEST_LOG].warning("stream ended by an error: %s", ev.error.message)
+                    await resp.write(sse.event(ev.error.body()))
+                    break
+                out = b"".join(sse.event(c) for c in builder.chunks(ev.index, ev.resp))
+                if out:
+                    await resp.write(out)
+                try:
+                    ev = await anext(events)
+                except StopAsyncIteration:
+                    if builder.req.include_usage:
+                        await resp.write(sse.event(builder.usage_chunk()))
+                    break
+            await resp.write(sse.DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            request[REQUEST_LOG].info("client disconnected mid-stream; worker requests cancelled")
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    names = (
+        [state.config.served_model_name]
+        if state.config.served_model_name
+        else state.registry.models()
+    )
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": state.registry.max_model_len(
+                None if state.config.served_model_name else name
+            ),
+        }
+        for name in names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    registry = request.app[STATE].registry
+    pairs = registry.usable_pairs()
+    body = {
+        "ready": bool(pairs),
+        "healthy_prefill": len(registry.healthy("prefill")),
+        "healthy_decode": len(registry.healthy("decode")),
+        "pairs": len(pairs),
+    }
+    return web.json_response(body, status=200 if pairs else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

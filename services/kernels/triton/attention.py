@@ -1,0 +1,414 @@
+"""Paged attention over a ragged batch of decode rows and prefill chunks.
+
+One kernel serves every row kind. Sequence i owns query rows cu_seqlens_q[i] :
+cu_seqlens_q[i+1] and, after this step, seq_lens[i] keys in the paged cache; its query
+row j sits at absolute position context_len + j (context_len = seq_len - query_len),
+so a decode row (query_len 1) sees every key and a prefill chunk that follows cached
+prefix blocks sees the prefix plus a causal triangle of its own keys.
+
+Grid: (q_blocks, num_kv_heads, num_splits).
+- q_blocks: each program takes BLOCK_Q consecutive query rows of ONE sequence and all
+  Q_PER_KV query heads that share one KV head (GQA packing), so a tile is
+  BLOCK_M = BLOCK_Q * Q_PER_KV rows: decode rows of a GQA model still fill a
+  tensor-core tile, and K/V are read once for the whole head group. Sequence i's q
+  blocks are numbered from cu_seqlens_q[i] // BLOCK_Q + i, which bounds the total by
+  T // BLOCK_Q + num_seqs without looking at the lengths on the host (no device->host
+  sync; the grid depends only on shapes, which CUDA graphs need). A program finds its
+  sequence by binary search over cu_seqlens_q and exits if it is past that sequence's
+  rows.
+- num_splits > 1 (flash-decoding): the key range of each q block is cut into
+  num_splits parts; each writes an unnormalised partial (acc, running max, running
+  sum) to fp32 scratch and a second kernel merges them. Used when the batch has too
+  few (q block, kv head) programs to fill the GPU, i.e. small decode batches with long
+  contexts.
+
+Keys are walked in tiles of TILE_N positions. Each position's block id comes from the
+block table (so any block size works, 1 included, and tiles may straddle blocks) and
+K/V addresses are block_id * stride_b + offset * stride_s + head * stride_h + d * stride_d:
+the caches can be strided views of the engine's block-major tensor. Online softmax in
+fp32 with exp2; masked rows never produce NaN (the running max stays -inf and the
+exponent uses 0 in its place)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_P] fp32, only when NUM_SPLITS > 1
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32 (running max, running sum)
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    Q_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The sequence owning this q block: the last i with cu_q[i] // BLOCK_Q + i <= q_block.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    offs_n = tl.arange(0, TILE_N)
+    q_row = q_block_local * BLOCK_Q + offs_m // Q_PER_KV  # row within the sequence
+    head = kv_head * Q_PER_KV + offs_m % Q_PER_KV
+    row_ok = (offs_m < BLOCK_Q * Q_PER_KV) & (q_row < query_len)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q_start + q_row).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # keys [0, kv_end) are visible to some row of this block; row r sees keys <= limit[r]
+    kv_end = context_len + tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, query_len)
+    limit = context_len + q_row
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+
+    for t in range(tile_lo, tile_hi):
+        kv_pos = t * TILE_N + offs_n
+        kv_ok = kv_pos < kv_end
+        blk = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        slot = blk * stride_kb + (kv_pos % BLOCK_SIZE) * stride_ks
+        k = tl.load(
+            k_head + slot[None, :] + offs_d[:, None] * stride_kd,
+            mask=d_ok[:, None] & kv_ok[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_P, TILE_N]
+        if UPCAST_DOT:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, k, input_precision=PRECISION)
+        s = s * qk_scale
+        visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        vslot = blk * stride_vb + (kv_pos % BLOCK_SIZE) * stride_vs
+        v = tl.load(
+            v_head + vslot[:, None] + offs_d[None, :] * stride_vd,
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_P]
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS > 1:
+        row_base = (tok * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(
+            part_acc_ptr + row_base[:, None] * HEAD_DIM_P + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        tl.store(part_ml_ptr + row_base * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row_base * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + tok[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    n_rows,  # T * Hq
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # token * Hq + head
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    base = rows64[:, None] * NUM_SPLITS + splits[None, :]  # [R, S]
+    m = tl.load(part_ml_ptr + base * 2, mask=row_ok[:, None], other=float("-inf"))
+    lsum = tl.load(part_ml_ptr + base * 2 + 1, mask=row_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max[:, None])  # empty splits: exp2(-inf) = 0
+    denom = tl.sum(w * lsum, axis=1)
+    acc = tl.load(
+        part_acc_ptr + base[:, :, None] * HEAD_DIM_P + offs_d[None, None, :],
+        mask=row_ok[:, None, None],
+        other=0.0,
+    )  # [R, S, D]
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tok = rows64 // num_q_heads
+    head = rows64 % num_q_heads
+    tl.store(
+        out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+def attention_config(
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_sms: int,
+    interpreted: bool,
+    num_splits: int | None = None,
+    overrides: dict | None = None,
+) -> dict:
+    """Tile sizes and split count from shapes and host-side ints only (no sync).
+    `overrides` replaces any of BLOCK_M, TILE_N, NUM_SPLITS, num_warps, num_stages
+    (for tuning sweeps; BLOCK_M must stay >= max(16, Q_PER_KV), powers of two)."""
+    overrides = overrides or {}
+    q_per_kv = num_q_heads // num_kv_heads
+    min_m = max(16, next_pow2(q_per_kv))  # tl.dot needs >= 16 rows
+    if "BLOCK_M" in overrides:
+        block_m = max(min_m, next_pow2(overrides["BLOCK_M"]))
+    elif max_query_len >= 128:
+        block_m = max(min_m, 128)
+    elif max_query_len * q_per_kv >= 64:
+        block_m = max(min_m, 64)
+    else:
+        block_m = min_m
+    block_q = block_m // q_per_kv
+    tile_n = overrides.get("TILE_N", 32 if interpreted else 64)
+    num_splits = overrides.get("NUM_SPLITS", num_splits)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = 1
+        programs = num_q_blocks * num_kv_heads
+        max_tiles = triton.cdiv(max(max_seq_len, 1), tile_n)
+        target = 2 * num_sms
+        if not interpreted and max_query_len <= block_q and programs < target and max_tiles >= 4:
+            want = next_pow2(triton.cdiv(target, programs))
+            cap = 1 << (max_tiles.bit_length() - 1)  # keep every split non-empty
+            num_splits = max(1, min(want, cap, 64))
+    num_splits = next_pow2(num_splits)
+    # Launch settings from the H200 sweep (benchmarks/kernels_bench.py --sweep, bf16,
+    # Llama-3-8B heads). Memory-bound programs (long key walks per program; or a big
+    # prefill tile shared with many decode rows, whose programs are mostly empty rows
+    # streaming keys) like wider key tiles and 8 warps; uniform prefill likes 4 warps
+    # and a deeper pipeline; short decode walks 64 / 4 / 2.
+    num_warps, num_stages = 4, 2
+    wide = not interpreted and "TILE_N" not in overrides
+    if block_m >= 128:
+        num_stages = 3
+        mixed = num_seqs * max_query_len >= 2 * num_tokens  # ragged: decode rows + chunks
+        if wide and mixed:
+            tile_n, num_warps = 128, 8
+    elif wide and max_seq_len >= 2048 * num_splits:
+        tile_n, num_warps = 128, 8
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        num_q_blocks=num_q_blocks,
+        num_warps=overrides.get("num_warps", num_warps),
+        num_stages=overrides.get("num_stages", num_stages),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
+    block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
+    this step); cu_seqlens_q [num_seqs + 1] int32. Returns [T, Hq, D] in q's dtype."""
+    n_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError("cache shapes must be [num_blocks, block_size, Hk, D] matching q")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if n_tokens == 0 or num_seqs == 0:
+        return out
+    check_device(_paged_attention_kernel, q, k_cache, v_cache, block_tables, seq_lens)
+    interp = is_interpreted(_paged_attention_kernel)
+    cfg = attention_config(
+        n_tokens,
+        num_seqs,
+        num_q_heads,
+        num_kv_heads,
+        max_query_len,
+        max_seq_len,
+        device_sms(q),
+        interp,
+        num_splits,
+        config,
+    )
+    head_dim_p = max(16, next_pow2(head_dim))
+    splits = cfg["NUM_SPLITS"]
+    if splits > 1:
+        part_acc = torch.empty(
+            n_tokens, num_q_heads, splits, head_dim_p, dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            n_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=q.device
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    # fp32 caches: exact fp32 products (no tf32); 16-bit: the target default
+    precision = "ieee" if k_cache.dtype == torch.float32 else None
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    grid = (cfg["num_q_blocks"], num_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens.contiguous(),
+        cu_seqlens_q.contiguous(),
+        part_acc,
+        part_ml,
+        float(scale) * _LOG2E,
+        num_seqs,
+        num_q_heads,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        Q_PER_KV=num_q_heads // num_kv_heads,
+        BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_M=cfg["BLOCK_M"],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size,
+        TILE_N=cfg["TILE_N"],
+        NUM_SPLITS=splits,
+        PRECISION=precision,
+        UPCAST_DOT=interp and k_cache.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        n_rows = n_tokens * num_q_heads
+        block_r = min(next_pow2(n_rows), 64) if interp else 1
+        _merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
+            out,
+            part_acc,
+            part_ml,
+            n_rows,
+            num_q_heads,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=splits,
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return out
+
+
+__all__ = ["attention_config", "paged_attention"]

@@ -1,0 +1,142 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Numerics follow the torch reference: the sum (x + residual) is rounded to its dtype
+and stored, normalisation runs in fp32 on that rounded value, the normalised row is
+rounded to the input dtype and only then multiplied by the weight."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.kernels.triton._launch import (
+    check_device,
+    is_interpreted,
+    next_pow2,
+    rows_per_program,
+)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    n_cols,
+    inner,  # rows are (outer, inner) pairs: row r = (r // inner, r % inner)
+    stride_x0,
+    stride_x1,
+    stride_xd,
+    stride_r0,
+    stride_r1,
+    stride_rd,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    outer = rows64 // inner
+    inner_idx = rows64 % inner
+
+    x_off = outer * stride_x0 + inner_idx * stride_x1
+    x = tl.load(x_ptr + x_off[:, None] + cols[None, :] * stride_xd, mask=mask, other=0.0)
+    dense = rows64[:, None] * n_cols + cols[None, :]
+    if HAS_RESIDUAL:
+        r_off = outer * stride_r0 + inner_idx * stride_r1
+        r = tl.load(res_ptr + r_off[:, None] + cols[None, :] * stride_rd, mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + dense, s, mask=mask)
+        xf = s.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+
+    var = tl.sum(xf * xf, axis=1) / n_cols
+    y = xf * tl.rsqrt(var + eps)[:, None]
+    # round to the (summed) input dtype before the weight, as the reference does
+    if HAS_RESIDUAL:
+        y = y.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = y * w[None, :]
+    tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """(tensor, n_rows, inner, stride0, stride1): rows addressed as two strided dims, so
+    q/k head views of a fused qkv output need no copy."""
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() > 3:
+        x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    if x.dim() == 2:
+        return x, x.shape[0], 1, x.stride(0), 0
+    return x, x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+
+
+def _launch(x, residual, weight, eps):
+    n_cols = x.shape[-1]
+    xv, n_rows, inner, sx0, sx1 = _rows_view(x)
+    out_dtype = x.dtype
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+        rv, _, _, sr0, sr1 = _rows_view(residual)
+        out_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        srd = rv.stride(-1)
+    else:
+        rv, sr0, sr1, srd = xv, 0, 0, 0
+    out = torch.empty(x.shape, dtype=torch.promote_types(out_dtype, weight.dtype), device=x.device)
+    if n_rows == 0:
+        return out, res_out
+    check_device(_rms_norm_kernel, x, weight)
+    interp = is_interpreted(_rms_norm_kernel)
+    block_n = next_pow2(n_cols)
+    block_r = rows_per_program(interp, n_rows, block_n)
+    num_warps = 4 if block_n <= 2048 else (8 if block_n <= 8192 else 16)
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        xv,
+        rv,
+        weight,
+        out,
+        res_out if res_out is not None else out,
+        n_rows,
+        n_cols,
+        inner,
+        sx0,
+        sx1,
+        xv.stride(-1),
+        sr0,
+        sr1,
+        srd,
+        float(eps),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rms_normalise(x) over the last dim; x may be a strided [T, H, D] view."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), one pass over memory."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,69 @@
+"""The `triton` kernel backend: pdserve's own Triton kernels behind the KernelBackend
+interface, with the torch backend's exact signatures and semantics (new output
+tensors, inputs untouched, caches written in place).
+
+Runs wherever Triton does: CUDA and ROCm GPUs, or a CPU under TRITON_INTERPRET=1
+(set before triton is imported; slow, for tests)."""
+
+from __future__ import annotations
+
+from services.kernels import triton as tk
+from services.kernels.interface import AttentionMetadata
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, attn_num_splits: int | None = None):
+        # None: pick the flash-decoding split count from the batch shape and the GPU.
+        self.attn_num_splits = attn_num_splits
+
+    def rms_norm(self, x, weight, eps):
+        return tk.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        return tk.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache):
+        return tk.rotary_embedding(positions, q, k, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return tk.silu_and_mul(x)
+
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prepare_attention(self, metadata: AttentionMetadata) -> None:
+        # The kernel reads the metadata as is; only make sure the index tensors are
+        # int32 and contiguous once per step instead of once per layer.
+        import torch
+
+        def i32(t):
+            return (
+                t
+                if t.dtype == torch.int32 and t.is_contiguous()
+                else t.to(torch.int32).contiguous()
+            )
+
+        metadata.backend_data["triton"] = (
+            i32(metadata.block_tables),
+            i32(metadata.seq_lens),
+            i32(metadata.cu_seqlens_q),
+        )
+
+    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+        if "triton" not in metadata.backend_data:
+            self.prepare_attention(metadata)
+        block_tables, seq_lens, cu_seqlens_q = metadata.backend_data["triton"]
+        return tk.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            scale,
+            num_splits=self.attn_num_splits,
+        )

@@ -1,0 +1,120 @@
+"""`pdserve up`: router + N prefill + M decode workers as processes on this machine.
+
+Workers start on free ports (--port 0, the chosen port is read from their announce
+line), then the router is started with their addresses. Ctrl-C or SIGTERM stops them
+all. Meant for trying pdserve on one machine; production runs each process on its own
+(docker compose, Helm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+PDSERVE = [sys.executable, "-m", "services.cli"]
+
+
+class Child:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str]):
+        self.name = name
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.address: str | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("PDSERVE "):
+                event = json.loads(line[len("PDSERVE ") :])
+                self.address = event["address"]
+                if event["event"] == "ready":
+                    self.ready.set()
+            sys.stdout.write(f"[{self.name}] {line}")
+            sys.stdout.flush()
+
+    def stop(self, timeout: float) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_up(args, worker_args: list[str]) -> int:
+    env = {**os.environ, "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")] if p
+    )
+    children: list[Child] = []
+    stopping = threading.Event()
+
+    def stop_all(*_):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    try:
+        workers = []
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                cmd = [
+                    *PDSERVE,
+                    role,
+                    "--model",
+                    args.model,
+                    "--device",
+                    args.device,
+                    "--port",
+                    "0",
+                    *worker_args,
+                ]
+                children.append(Child(f"{role}-{i}", cmd, env))
+                workers.append(children[-1])
+        for w in workers:
+            while not w.ready.wait(0.5):
+                if stopping.is_set() or w.proc.poll() is not None:
+                    print(f"pdserve up: {w.name} exited before it was ready", file=sys.stderr)
+                    return 1
+        router_cmd = [*PDSERVE, "router", "--host", args.host, "--port", str(args.port)]
+        for w in workers:
+            router_cmd += [f"--{w.name.split('-')[0]}", w.address]
+        children.append(Child("router", router_cmd, env))
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        while not _ready(url):
+            if stopping.is_set() or children[-1].proc.poll() is not None:
+                print("pdserve up: the router exited before it was ready", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print(f"pdserve is ready: {url}/v1  (model {args.model}; Ctrl-C stops)", flush=True)
+        while not stopping.is_set():
+            if any(c.proc.poll() is not None for c in children):
+                dead = [c.name for c in children if c.proc.poll() is not None]
+                print(f"pdserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        for c in reversed(children):  # router first, so no new requests reach workers
+            c.stop(timeout=30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

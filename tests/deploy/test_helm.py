@@ -1,0 +1,437 @@
+"""The Helm chart (k8s/helm/pdserve), checked without helm or a cluster: lint and render
+with helm-python-sdk, every manifest validated with kubernetes-validate --strict for
+Kubernetes 1.33, and the fields that make a deployment work asserted for the defaults and
+for each example in k8s/examples/ (cpu-demo, 1p1d-one-gpu-node, xpyd-rdma). The worker
+and router command lines are parsed by the real `pdserve` argument parser."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy import helm
+from tests.deploy.helm import container, find, kinds, name
+
+pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
+pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+
+EXAMPLES = [p.stem for p in helm.example_files()]
+SHAPES = [None, *EXAMPLES]  # None: the chart defaults
+BAD_VALUES = Path(__file__).parent / "bad-values.yaml"
+POD_IP = "10.1.2.3"
+
+
+def test_examples_present():
+    assert {"cpu-demo", "1p1d-one-gpu-node", "xpyd-rdma"} <= set(EXAMPLES)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")
+def test_lint_clean(shape):
+    report = helm.lint(helm.load_values(shape))
+    assert report["errors"] == []
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert problems == []
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")
+def test_manifests_validate_against_kubernetes(shape):
+    docs = helm.render(helm.load_values(shape))
+    assert docs
+    for doc in docs:
+        if doc["kind"] in helm.CRD_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert doc["spec"]["selector"]["matchLabels"]
+            continue
+        try:
+            helm.validate(doc)
+        except Exception as e:  # report which object and where
+            path = "/".join(str(p) for p in getattr(e, "path", []))
+            msg = getattr(e, "message", e)
+            pytest.fail(f"{helm.kind_name(doc)} invalid for k8s {helm.KUBE_VERSION}: {path}: {msg}")
+        assert doc["metadata"].get("namespace") in (None, helm.NAMESPACE)
+
+
+def _worker_cli(deployment: dict):
+    """Parse a worker's args with pdserve's own parser, as the container would."""
+    from services.cli import build_parser
+    from services.common.settings import WorkerSettings
+
+    args = container(deployment)["args"]
+    assert args[0] == "pdserve"
+    parsed = build_parser().parse_args(helm.expand(args[1:], {"POD_IP": POD_IP}))
+    settings = {
+        "transfer_protocol": parsed.transfer_protocol,
+        "transfer_hostname": parsed.transfer_hostname,
+        "port": parsed.port,
+        "metrics_port": parsed.metrics_port,
+    }
+    if parsed.command == "decode":
+        settings["prefill_failure_policy"] = parsed.prefill_failure_policy
+    WorkerSettings(**settings)  # validates protocol, ports, policy
+    return parsed
+
+
+def _router_cli(docs: list[dict]):
+    """The router's args after Kubernetes expands $(VAR) from its ConfigMap, parsed and
+    turned into a RouterConfig by the router's own code."""
+    from router.cli import config_from_args
+    from services.cli import build_parser
+
+    dep = find(docs, "Deployment", name("router"))
+    c = container(dep)
+    (ref,) = c["envFrom"]
+    cm = find(docs, "ConfigMap", ref["configMapRef"]["name"])
+    args = helm.expand(c["args"], cm["data"])
+    assert args[:2] == ["pdserve", "router"]
+    parsed = build_parser().parse_args(args[1:])
+    return parsed, config_from_args(parsed)
+
+
+def _resources(dep: dict) -> tuple[dict, dict]:
+    res = container(dep)["resources"]
+    return res.get("requests", {}), res.get("limits", {})
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")
+def test_common_wiring(shape):
+    """What every deployment shape must get right."""
+    values = helm.load_values(shape)
+    docs = helm.render(values)
+    merged_tag = (values.get("image") or {}).get("tag") or "0.1.0"
+
+    for role, port in (("prefill", 50061), ("decode", 50071)):
+        dep = find(docs, "Deployment", name(role))
+        c = container(dep)
+        pod = dep["spec"]["template"]["spec"]
+        # image: never latest
+        assert not c["image"].endswith(":latest") and c["image"].endswith(f":{merged_tag}")
+        # discovery: a headless Service selecting exactly this pool's pods
+        svc = find(docs, "Service", name(role))
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == role
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["grpc"] == port
+        # args understood by pdserve; the transfer hostname is the pod IP
+        cli = _worker_cli(dep)
+        assert cli.command == role and cli.port == port and cli.host == "0.0.0.0"
+        assert cli.transfer_hostname == POD_IP
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["PDSERVE_CACHE_DIR"]["value"] == "/var/cache/pdserve"
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            "grpc": port,
+            "metrics": cli.metrics_port,
+        }
+        # gRPC health probes on the gRPC port; a startup probe long enough for a load
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == port, probe
+        start = c["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 300
+        assert pod["terminationGracePeriodSeconds"] > cli.drain_timeout
+        # non-root
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["automountServiceAccountToken"] is False
+        # PodDisruptionBudget selecting the pool
+        pdb = find(docs, "PodDisruptionBudget", name(role))
+        assert pdb["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+
+    # router: finds the pools by their headless Service DNS names
+    parsed, config = _router_cli(docs)
+    domain = f"{helm.NAMESPACE}.svc.cluster.local"
+    assert config.prefill == (f"{name('prefill')}.{domain}:50061",)
+    assert config.decode == (f"{name('decode')}.{domain}:50071",)
+    router = find(docs, "Deployment", name("router"))
+    c = container(router)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert "checksum/config" in router["spec"]["template"]["metadata"]["annotations"]
+    svc = find(docs, "Service", name("router"))
+    assert svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_defaults():
+    docs, notes = helm.render(notes=True)
+    kinds_found = sorted(helm.kind_name(d) for d in docs)
+    assert kinds_found == sorted(
+        [
+            f"ConfigMap/{name('router')}",
+            f"Secret/{name('router')}",  # the generated /admin token
+            f"Deployment/{name('decode')}",
+            f"Deployment/{name('prefill')}",
+            f"Deployment/{name('router')}",
+            f"PodDisruptionBudget/{name('decode')}",
+            f"PodDisruptionBudget/{name('prefill')}",
+            f"PodDisruptionBudget/{name('router')}",
+            f"Service/{name('decode')}",
+            f"Service/{name('prefill')}",
+            f"Service/{name('router')}",
+            "ServiceAccount/llm-pdserve",
+            f"Pod/{name('test')}",
+        ]
+    )
+    for role in ("router", "prefill", "decode"):
+        assert find(docs, "Deployment", name(role))["spec"]["replicas"] == 1
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        cli = _worker_cli(dep)
+        assert (cli.model, cli.device, cli.transfer_protocol) == ("smollm2-135m", "cpu", "tcp")
+        requests, limits = _resources(dep)
+        assert not any("gpu" in k or "rdma" in k or "hugepages" in k for k in {**limits})
+        volumes = {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+        assert volumes == {"tmp", "home", "shm"}  # bundled model, the image's cache
+    assert _worker_cli(find(docs, "Deployment", name("decode"))).prefill_failure_policy == (
+        "recompute"
+    )
+    parsed, config = _router_cli(docs)
+    assert (config.prefill_policy, config.decode_policy) == ("round_robin", "least_load")
+    assert config.api_keys == ()
+    # /admin is protected by a generated token
+    secret = find(docs, "Secret", name("router"))
+    assert set(secret["data"]) == {"admin-token"}
+    assert len(base64.b64decode(secret["data"]["admin-token"])) == 32
+    env = {e["name"]: e for e in container(find(docs, "Deployment", name("router")))["env"]}
+    assert env["PDSERVE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": name("router"),
+        "key": "admin-token",
+    }
+    assert "PDSERVE_API_KEY" not in env
+    assert find(docs, "Service", name("router"))["spec"]["type"] == "ClusterIP"
+    assert f"port-forward svc/{name('router')} 8000:8000" in notes
+    assert "/v1/chat/completions" in notes and "from openai import OpenAI" in notes
+
+
+def test_cpu_demo():
+    docs = helm.render(helm.load_values("cpu-demo"))
+    assert find(docs, "Deployment", name("prefill"))["spec"]["replicas"] == 1
+    assert find(docs, "Deployment", name("decode"))["spec"]["replicas"] == 2
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        cli = _worker_cli(dep)
+        assert cli.device == "cpu" and cli.kv_cache_memory_gb == 0.5 and cli.max_num_seqs == 16
+        assert cli.transfer_protocol == "tcp"
+        requests, limits = _resources(dep)
+        assert not any("gpu" in k or "rdma" in k for k in limits)
+    assert not kinds(docs, "HorizontalPodAutoscaler") and not kinds(docs, "Ingress")
+
+
+def test_1p1d_one_gpu_node():
+    docs = helm.render(helm.load_values("1p1d-one-gpu-node"))
+    nodes = set()
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        assert dep["spec"]["replicas"] == 1
+        requests, limits = _resources(dep)
+        assert limits["nvidia.com/gpu"] == 1 and requests["nvidia.com/gpu"] == 1
+        assert not any("rdma" in k for k in limits)
+        cli = _worker_cli(dep)
+        assert (cli.device, cli.dtype, cli.model) == ("cuda", "bfloat16", "/models/Qwen3-8B")
+        pod = dep["spec"]["template"]["spec"]
+        nodes.add(pod["nodeSelector"]["kubernetes.io/hostname"])
+        model = next(v for v in pod["volumes"] if v["name"] == "model")
+        assert model["hostPath"]["path"] == "/data/models"
+        mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "model")
+        assert mount["mountPath"] == "/models" and mount["readOnly"] is True
+        assert dep["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0  # no spare GPU
+        start = container(dep)["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 1200
+    assert len(nodes) == 1, "prefill and decode must land on the same node"
+    assert _worker_cli(find(docs, "Deployment", name("decode"))).kv_cache_memory_gb == 60
+    parsed, config = _router_cli(docs)
+    assert config.served_model_name == "qwen3-8b"
+
+
+def test_xpyd_rdma():
+    docs, notes = helm.render(helm.load_values("xpyd-rdma"), notes=True)
+    prefill = find(docs, "Deployment", name("prefill"))
+    decode = find(docs, "Deployment", name("decode"))
+    assert prefill["spec"]["replicas"] == 2
+    assert "replicas" not in decode["spec"]  # owned by the HPA
+    hpa = find(docs, "HorizontalPodAutoscaler", name("decode"))
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (4, 8)
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": name("decode"),
+    }
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_waiting_requests"
+    for dep in (prefill, decode):
+        requests, limits = _resources(dep)
+        for key, value in (
+            ("nvidia.com/gpu", 1),
+            ("rdma/hca_shared_devices_a", 1),
+            ("hugepages-1Gi", "4Gi"),
+        ):
+            assert limits[key] == value and requests[key] == value, key
+        c = container(dep)
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert "ALL" in c["securityContext"]["capabilities"]["drop"]
+        cli = _worker_cli(dep)
+        assert cli.transfer_protocol == "rdma" and cli.transfer_device == "mlx5_0"
+        assert cli.kv_transfer_timeout == 10 and cli.model == "/models/Llama-3.1-8B-Instruct"
+        pod = dep["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["model"]["persistentVolumeClaim"]["claimName"] == "llm-models"
+        assert vols["hugepages"]["emptyDir"]["medium"] == "HugePages-1Gi"
+        assert vols["model-cache"]["emptyDir"]
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    assert _worker_cli(decode).prefill_timeout == 30
+    # monitoring: a PodMonitor per pool, a ServiceMonitor for the router
+    for role in ("prefill", "decode"):
+        pm = find(docs, "PodMonitor", name(role))
+        assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    sm = find(docs, "ServiceMonitor", name("router"))
+    assert sm["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    # router: API key from an existing Secret, its own image, an Ingress
+    router = find(docs, "Deployment", name("router"))
+    c = container(router)
+    key = next(e for e in c["env"] if e["name"] == "PDSERVE_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "pdserve-api-key", "key": "api-key"}
+    assert "api-key" not in find(docs, "Secret", name("router"))["data"]
+    assert c["image"] == "registry.example.com/pdserve-router:0.1.0"
+    assert router["spec"]["replicas"] == 2
+    parsed, config = _router_cli(docs)
+    assert config.prefill_policy == "prefix_aware" and config.max_concurrent_requests == 4096
+    ing = find(docs, "Ingress", name("router"))
+    assert ing["spec"]["rules"][0]["host"] == "llm.example.com"
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": name("router"), "port": {"name": "http"}}
+    assert "https://llm.example.com" in notes and "PDSERVE_API_KEY" in notes
+    assert find(docs, "PodDisruptionBudget", name("router"))["spec"]["minAvailable"] == 1
+
+
+def test_nvlink_intra_sets_mooncake_variable():
+    docs = helm.render({"kvTransfer": {"protocol": "nvlink_intra"}})
+    for role in ("prefill", "decode"):
+        c = container(find(docs, "Deployment", name(role)))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["MC_INTRANODE_NVLINK"] == "1"
+        assert _worker_cli(find(docs, "Deployment", name(role))).transfer_protocol == (
+            "nvlink_intra"
+        )
+    c = container(find(helm.render(), "Deployment", name("prefill")))
+    assert "MC_INTRANODE_NVLINK" not in {e["name"] for e in c["env"]}
+
+
+def test_api_key_value_admin_secret_and_amd_gpus():
+    docs = helm.render(
+        {
+            "router": {
+                "apiKey": {"value": "s3cret"},
+                "adminToken": {"existingSecret": "ops", "secretKey": "token"},
+            },
+            "decode": {"gpu": {"count": 2, "resource": "amd.com/gpu"}},
+        }
+    )
+    secret = find(docs, "Secret", name("router"))
+    assert set(secret["data"]) == {"api-key"}
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == "s3cret"
+    env = {e["name"]: e for e in container(find(docs, "Deployment", name("router")))["env"]}
+    assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": name("router"),
+        "key": "api-key",
+    }
+    assert env["PDSERVE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ops",
+        "key": "token",
+    }
+    no_admin = helm.render({"router": {"adminToken": {"generate": False}}})
+    assert not kinds(no_admin, "Secret")
+    requests, limits = _resources(find(docs, "Deployment", name("decode")))
+    assert limits["amd.com/gpu"] == 2
+
+
+def test_prefill_and_decode_are_twins():
+    """One helper renders both pools: their Deployments differ only by role, port and the
+    decode-only flags; their values and schema sections have the same keys."""
+    docs = helm.render()
+    p, d = (find(docs, "Deployment", name(r)) for r in ("prefill", "decode"))
+    decode_only = ["--prefill-timeout", "--prefill-failure-policy", "--reserve-timeout"]
+    d_args = container(d)["args"]
+    for flag in decode_only:
+        i = d_args.index(flag)
+        d_args = d_args[:i] + d_args[i + 2 :]
+    container(d)["args"] = d_args
+    as_prefill = json.dumps(d).replace("decode", "prefill").replace("50071", "50061")
+    assert json.loads(as_prefill) == p
+    templates = {
+        t: (helm.CHART / "templates" / f"{t}.yaml").read_text() for t in ("prefill", "decode")
+    }
+    for role, text in templates.items():
+        assert f'include "pdserve.worker" (dict "root" . "role" "{role}")' in text
+
+    values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
+    extras = {"prefillFailurePolicy", "prefillTimeout", "reserveTimeout"}
+    assert set(values["decode"]) - set(values["prefill"]) == extras
+    assert set(values["prefill"]) == set(values["decode"]) - extras
+    schema = json.loads((helm.CHART / "values.schema.json").read_text())
+    props = {r: schema["properties"][r]["properties"] for r in ("prefill", "decode")}
+    assert set(props["decode"]) - set(props["prefill"]) == extras
+    for key in props["prefill"]:
+        if key != "replicas":  # decode needs at least one
+            assert props["prefill"][key] == props["decode"][key], key
+
+
+def test_every_value_is_documented():
+    schema = json.loads((helm.CHART / "values.schema.json").read_text())
+    undocumented = []
+
+    def walk(node: dict, path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if not sub.get("description"):
+                undocumented.append(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(schema, "")
+    assert undocumented == []
+    # and every default value is covered by the schema (additionalProperties: false)
+    values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
+
+
+BAD = [
+    ({"prefill": {"replicas": "two"}}, "/prefill/replicas"),
+    ({"decode": {"replicas": 0}}, "/decode/replicas"),
+    ({"kvTransfer": {"protocol": "udp"}}, "/kvTransfer/protocol"),
+    ({"prefil": {"replicas": 1}}, "prefil"),
+    ({"decode": {"prefillFailurePolicy": "retry"}}, "/decode/prefillFailurePolicy"),
+    ({"prefill": {"prefillTimeout": 5}}, "prefillTimeout"),  # decode-only key
+    ({"router": {"policy": {"prefill": "random"}}}, "/router/policy/prefill"),
+    ({"prefill": {"gpu": {"count": -1}}}, "/prefill/gpu/count"),
+    ({"prefill": {"hugepages": {"size": "4Mi"}}}, "/prefill/hugepages/size"),
+    ({"model": {"source": "pvc"}}, "claimName"),
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+]
+
+
+@pytest.mark.parametrize("values,where", BAD, ids=[w for _, w in BAD])
+def test_bad_values_rejected(values, where):
+    import helm_python
+
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        helm.render(values)
+    assert where in str(err.value)
+
+
+def test_bad_values_file_fails_early():
+    """The checked-in bad values file: schema validation, lint and install-render fail."""
+    import helm_python
+
+    values = yaml.safe_load(BAD_VALUES.read_text())
+    with helm_python.Chart.load(helm.CHART) as chart:
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.validate_schema(values)
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.render(values, name=helm.RELEASE, namespace=helm.NAMESPACE, is_install=True)
+    report = helm.lint(values)
+    assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])

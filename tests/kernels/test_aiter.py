@@ -1,0 +1,215 @@
+"""The aiter backend: the three shims that load AITER's Triton kernels outside ROCm
+(unit tests that need no aiter), and the mapped ops against the torch reference when
+amd-aiter is installed (CPU under Triton's interpreter, or a GPU)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from services.kernels import aiter_shims, get_backend  # noqa: E402
+from tests.kernels.helpers import (  # noqa: E402
+    assert_close_rel,
+    make_attention_batch,
+    reference_attention,
+)
+
+# ---- shims without aiter -------------------------------------------------------------
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: records the kwargs its run() receives."""
+
+    def __init__(self, fn=None):
+        self.fn = fn
+        self.seen = None
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.seen = kwargs
+        return "ran"
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+
+def test_drop_amd_launch_options_filters_kwargs_down_the_chain():
+    inner = _FakeKernel()
+    outer = _FakeKernel(fn=inner)  # like an Autotuner wrapping a JITFunction
+    aiter_shims.drop_amd_launch_options(outer)
+    aiter_shims.drop_amd_launch_options(outer)  # idempotent
+    assert outer[(1,)](1, 2, num_warps=4, waves_per_eu=2, kpack=2, matrix_instr_nonkdim=16)
+    assert outer.seen == {"num_warps": 4}
+    inner.run(grid=(1,), warmup=False, waves_per_eu=1, BLOCK=16)
+    assert inner.seen == {"BLOCK": 16}
+
+
+def test_version_pin_warns_on_mismatch():
+    assert aiter_shims.AITER_CHECKED_VERSION == "0.1.7.post2.dev18"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert aiter_shims.check_version(aiter_shims.AITER_CHECKED_VERSION)
+    with pytest.warns(RuntimeWarning, match="checked with 0.1.7.post2.dev18"):
+        assert not aiter_shims.check_version("0.1.6")
+
+
+def test_get_backend_aiter_unavailable_is_a_clear_value_error(monkeypatch):
+    def unavailable(op):
+        raise aiter_shims.AiterUnavailable("amd-aiter is not installed (pip install amd-aiter)")
+
+    monkeypatch.setattr(aiter_shims, "load_triton_op", unavailable)
+    with pytest.raises(ValueError, match="kernel backend 'aiter' is unavailable"):
+        get_backend("aiter")
+
+
+def test_get_backend_names():
+    assert get_backend("torch").name == "torch"
+    assert get_backend("triton").name == "triton"
+    with pytest.raises(ValueError, match="known: torch, triton, aiter"):
+        get_backend("cuda")
+
+
+# ---- with amd-aiter installed --------------------------------------------------------
+
+needs_aiter = pytest.mark.skipif(
+    aiter_shims.installed_version() is None and "aiter" not in sys.modules,
+    reason="amd-aiter is not installed (pip install amd-aiter)",
+)
+
+
+@pytest.fixture(scope="module")
+def aiter_backend():
+    try:
+        return get_backend("aiter")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@needs_aiter
+def test_shims_load_kernels_without_rocm_init(aiter_backend):
+    if aiter_shims.is_rocm():
+        pytest.skip("ROCm: the real `import aiter` is used, no shims")
+    root = sys.modules["aiter"]
+    assert getattr(root, aiter_shims._SHIMMED_FLAG, False)  # bare package (shim 1)
+    assert not hasattr(root, "getLogger")  # aiter/__init__.py never ran
+    from aiter.ops.triton.utils._triton import arch_info
+
+    assert arch_info.get_arch() == aiter_shims.arch_string() == "gfx942"  # shim 2
+    from aiter.ops.triton._triton_kernels.unified_attention import kernel_unified_attention_2d
+
+    assert getattr(kernel_unified_attention_2d.run, aiter_shims._SHIMMED_FLAG, False)  # shim 3
+
+
+@needs_aiter
+def test_arch_override(monkeypatch, aiter_backend):
+    if aiter_shims.is_rocm():
+        pytest.skip("ROCm: get_arch is aiter's own")
+    from aiter.ops.triton.utils._triton import arch_info
+
+    monkeypatch.setenv("PDSERVE_AITER_ARCH", "gfx950")
+    assert arch_info.get_arch() == "gfx950"
+
+
+def _aiter_dtypes(device):
+    # Triton's CPU interpreter stores bf16 as uint16 and its tl.dot and bf16 + bf16 work
+    # on the raw bits (an interpreter limitation; our own kernels upcast first), and
+    # aiter's kernels do both: bf16 runs on GPUs only.
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+@needs_aiter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_aiter_norms_and_rope(dtype, aiter_backend, device):
+    if dtype not in _aiter_dtypes(device):
+        pytest.skip("bf16 arithmetic is wrong in Triton's CPU interpreter; GPU only")
+    from services.kernels.torch_backend import TorchBackend
+    from services.models.rope import cos_sin_cache
+
+    ref = TorchBackend()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 96, generator=g).to(dtype).to(device)
+    res = torch.randn(9, 96, generator=g).to(dtype).to(device)
+    w = torch.randn(96, generator=g).to(dtype).to(device)
+    assert_close_rel(
+        aiter_backend.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6), dtype
+    )
+    out, r = aiter_backend.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_r = ref.fused_add_rms_norm(x.float(), res.float(), w.float(), 1e-6)
+    assert_close_rel(out, ref_out, dtype)
+    assert_close_rel(r, ref_r, dtype)
+
+    qkv = torch.randn(7, 8 * 16 + 2 * 2 * 16, generator=g).to(dtype).to(device)
+    q, k, _ = qkv.split([128, 32, 32], dim=-1)
+    q, k = q.view(7, 8, 16), k.view(7, 2, 16)
+    table = cos_sin_cache(16, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(device)
+    pos = torch.randint(0, 64, (7,), generator=g).to(device)
+    q_out, k_out = aiter_backend.rotary_embedding(pos, q, k, table)
+    q_ref, k_ref = ref.rotary_embedding(pos, q.float(), k.float(), table)
+    assert_close_rel(q_out, q_ref, dtype)
+    assert_close_rel(k_out, k_ref, dtype)
+
+
+@needs_aiter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # aiter's padded rows divide by 0
+def test_aiter_unified_attention_on_strided_block_major_cache(aiter_backend, device):
+    # unified_attention addresses K/V through all four strides: a layer's strided view
+    # of the block-major cache works as is (no copy), mixed decode + chunked prefill.
+    for dtype in _aiter_dtypes(device):
+        q, k_cache, v_cache, meta, _ = make_attention_batch(
+            [1, 1, 37, 5, 1],
+            [40, 3, 20, 0, 70],
+            block_size=16,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=32,
+            dtype=dtype,
+            device=device,
+        )
+        assert aiter_backend.supports_attention(q, k_cache)
+        out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, scale=0.2)
+        # fp32 on a GPU runs tl.dot in tf32 inside aiter: allow tf32-sized error
+        scale = 300.0 if (dtype == torch.float32 and device == "cuda") else 1.0
+        assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.2), dtype, scale)
+
+
+@needs_aiter
+def test_aiter_falls_back_for_block_size_1(aiter_backend, device):
+    q, k_cache, v_cache, meta, _ = make_attention_batch(
+        [3, 1],
+        [4, 9],
+        block_size=1,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        device=device,
+    )
+    assert not aiter_backend.supports_attention(q, k_cache)
+    out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, scale=0.25)
+    assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.25), torch.float32)
+
+
+@pytest.mark.gpu
+@needs_aiter
+def test_amd_only_launch_option_is_dropped_on_nvidia(aiter_backend):
+    import triton
+    import triton.language as tl
+
+    if aiter_shims.is_rocm():
+        pytest.skip("ROCm Triton accepts waves_per_eu")
+
+    @triton.jit
+    def _fill(x_ptr, N: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, N), tl.arange(0, N).to(tl.float32))
+
+    x = torch.zeros(16, device="cuda")
+    with pytest.raises(KeyError, match="waves_per_eu"):
+        _fill[(1,)](x, 16, waves_per_eu=2)  # what NVIDIA Triton does without the shim
+    aiter_shims.drop_amd_launch_options(_fill)
+    _fill[(1,)](x, 16, waves_per_eu=2)
+    assert torch.equal(x.cpu(), torch.arange(16, dtype=torch.float32))

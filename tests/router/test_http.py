@@ -1,0 +1,179 @@
+"""The router's HTTP surface without workers: errors, auth, limits, probes, metrics,
+admin. The app runs in-process on a free port; the official openai client talks to it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from router.config import RouterConfig
+from tests.router.helpers import RouterThread, assert_openai_error, http
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def config(**kw) -> RouterConfig:
+    kw.setdefault("health_interval", 0.2)
+    kw.setdefault("health_timeout", 0.5)
+    return RouterConfig(host="127.0.0.1", port=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def router():
+    # an address nothing listens on: known to the registry, never healthy
+    with RouterThread(
+        config(served_model_name="m", decode=("127.0.0.1:9",), max_body_bytes=4096)
+    ) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_health_and_not_ready(router):
+    assert http("GET", router.url + "/health").status == 200
+    reply = http("GET", router.url + "/ready")
+    assert reply.status == 503
+    assert reply.json() == {"ready": False, "healthy_prefill": 0, "healthy_decode": 0, "pairs": 0}
+
+
+def test_no_workers_is_503(router, client):
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="m", messages=MSG)
+    assert e.value.status_code == 503
+    assert e.value.body["type"] == "service_unavailable"
+    reply = http("POST", router.url + "/v1/completions", {"model": "m", "prompt": "x"})
+    assert_openai_error(reply, 503, code="service_unavailable")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=MSG)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_bad_input_is_400_never_500(router, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=MSG, temperature=5)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=0)
+    url = router.url + "/v1/chat/completions"
+    for raw in (b"{not json", b"\xff\xfe", b"", b"[1, 2]", b"null", b'"x"'):
+        assert_openai_error(http("POST", url, raw=raw), 400)
+    assert_openai_error(http("POST", url, {"model": "m", "messages": MSG, "n": "2"}), 400, "n")
+
+
+def test_body_limit_is_413(router):
+    big = {"model": "m", "prompt": "x" * 5000}
+    err = assert_openai_error(http("POST", router.url + "/v1/completions", big), 413)
+    assert "4096" in err["message"]
+
+
+def test_request_id_echoed_or_created(router):
+    reply = http("GET", router.url + "/health", headers={"X-Request-Id": "abc-123"})
+    assert reply.headers["X-Request-Id"] == "abc-123"
+    reply = http(
+        "POST",
+        router.url + "/v1/completions",
+        {"model": "m", "prompt": "x"},
+        headers={"X-Request-Id": "err-7"},
+    )
+    assert reply.status == 503 and reply.headers["X-Request-Id"] == "err-7"
+    created = http("GET", router.url + "/health").headers["X-Request-Id"]
+    assert len(created) == 32
+    bad = http("GET", router.url + "/health", headers={"X-Request-Id": "x" * 200})
+    assert bad.headers["X-Request-Id"] != "x" * 200
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == ["m"]
+
+
+def test_unknown_route_and_method(router):
+    assert_openai_error(http("GET", router.url + "/v1/nope"), 404)
+    assert_openai_error(http("GET", router.url + "/v1/chat/completions"), 405)
+
+
+def test_metrics(router):
+    http("GET", router.url + "/health")
+    reply = http("GET", router.url + "/metrics")
+    assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
+    text = reply.body.decode()
+    assert 'pdserve_router_requests_total{endpoint="/health",status="200"}' in text
+    assert 'pdserve_router_worker_healthy{address="127.0.0.1:9",role="decode"} 0.0' in text
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "queue_time_seconds",
+        "kv_transfer_time_seconds",
+        "prefill_fallbacks_total",
+    ):
+        assert f"pdserve_router_{name}" in text, name
+
+
+def test_overload_is_429_with_retry_after():
+    with RouterThread(config(served_model_name="m", max_concurrent_requests=2)) as r:
+        limit = r.state.limit
+        assert r.run_sync(limit.try_acquire) and r.run_sync(limit.try_acquire)  # 2 in flight
+        client = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model="m", messages=MSG)
+        assert e.value.response.headers["Retry-After"] == "1"
+        assert e.value.body["code"] == "rate_limit_exceeded"
+        r.run_sync(limit.release)
+        with pytest.raises(openai.InternalServerError):  # admitted, then no workers: 503
+            client.chat.completions.create(model="m", messages=MSG)
+        assert limit.inflight == 1  # the admitted request released its slot
+
+
+def test_api_keys():
+    with RouterThread(config(served_model_name="m", api_keys=("k1", "k2"))) as r:
+        for key in ("wrong", "k1x"):
+            bad = openai.OpenAI(base_url=r.url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                bad.models.list()
+            assert e.value.body["code"] == "invalid_api_key"
+        missing = http("POST", r.url + "/v1/chat/completions", {"model": "m", "messages": MSG})
+        assert_openai_error(missing, 401, code="invalid_api_key")
+        for key in ("k1", "k2"):
+            good = openai.OpenAI(base_url=r.url + "/v1", api_key=key, max_retries=0)
+            assert [m.id for m in good.models.list().data] == ["m"]
+        # probes and metrics stay open for Kubernetes and Prometheus
+        for path in ("/health", "/metrics"):
+            assert http("GET", r.url + path).status == 200
+
+
+def test_admin_workers():
+    with RouterThread(config(admin_token="secret")) as r:
+        url = r.url + "/admin/workers"
+        auth = {"Authorization": "Bearer secret"}
+        assert_openai_error(http("GET", url), 401)
+        assert_openai_error(http("GET", url, headers={"Authorization": "Bearer nope"}), 401)
+        assert http("GET", url, headers=auth).json()["workers"] == []
+        added = http("POST", url, {"role": "decode", "address": "localhost:7"}, headers=auth)
+        assert added.status == 201 and added.json()["resolved"] == ["127.0.0.1:7"]
+        http("POST", url, {"role": "prefill", "address": "127.0.0.1:8"}, headers=auth)
+        listing = http("GET", url, headers=auth).json()
+        assert {(w["role"], w["address"]) for w in listing["workers"]} == {
+            ("decode", "127.0.0.1:7"),
+            ("prefill", "127.0.0.1:8"),
+        }
+        assert all(not w["healthy"] for w in listing["workers"])
+        for body, param in (
+            ({"role": "router", "address": "a:1"}, "role"),
+            ({"role": "decode", "address": "nope"}, "address"),
+            ({"role": "decode", "address": "a:99999"}, "address"),
+            ({"role": "decode"}, "address"),
+        ):
+            assert_openai_error(http("POST", url, body, headers=auth), 400, param)
+        gone = http("DELETE", url, {"role": "decode", "address": "localhost:7"}, headers=auth)
+        assert gone.status == 200
+        assert_openai_error(
+            http("DELETE", url + "?role=decode&address=localhost:7", headers=auth), 404
+        )
+        assert http("DELETE", url + "?role=prefill&address=127.0.0.1:8", headers=auth).status == 200
+        assert http("GET", url, headers=auth).json()["workers"] == []

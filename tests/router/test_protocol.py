@@ -1,0 +1,233 @@
+"""Request validation: every bad input is a 400 naming its parameter; good input turns
+into the right worker prompts and SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.errors import APIError
+from router.protocol import parse_chat_request, parse_completion_request
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"model": "m", "messages": MSG, **kw}
+
+
+def comp(**kw):
+    return {"model": "m", "prompt": "hi", **kw}
+
+
+CHAT_ERRORS = [
+    ({"model": "m"}, "messages"),
+    (chat(messages=[]), "messages"),
+    (chat(messages="hi"), "messages"),
+    (chat(messages=["hi"]), "messages[0]"),
+    (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": "user"}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        "messages[0].content",
+    ),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]), None),
+    (chat(model=5), "model"),
+    (chat(max_tokens=0), "max_tokens"),
+    (chat(max_tokens="5"), "max_tokens"),
+    (chat(max_tokens=True), "max_tokens"),
+    (chat(max_tokens=2.5), "max_tokens"),
+    (chat(max_completion_tokens=-1), "max_completion_tokens"),
+    (chat(temperature=-0.1), "temperature"),
+    (chat(temperature=2.5), "temperature"),
+    (chat(temperature="hot"), "temperature"),
+    (chat(top_p=0), "top_p"),
+    (chat(top_p=1.5), "top_p"),
+    (chat(top_k=-2), "top_k"),
+    (chat(top_k=1.5), "top_k"),
+    (chat(min_p=1.5), "min_p"),
+    (chat(seed="1"), "seed"),
+    (chat(seed=2**63), "seed"),
+    (chat(seed=2**63 - 1, n=2), "seed"),
+    (chat(stop=5), "stop"),
+    (chat(stop=["a", 1]), "stop"),
+    (chat(stop=[""]), "stop"),
+    (chat(n=0), "n"),
+    (chat(n=129), "n"),
+    (chat(presence_penalty=2.5), "presence_penalty"),
+    (chat(frequency_penalty=-3), "frequency_penalty"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(logprobs=1), "logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(ignore_eos="yes"), "ignore_eos"),
+    (chat(min_tokens=-1), "min_tokens"),
+    (chat(min_tokens=5, max_tokens=4), "min_tokens"),
+    (chat(user=5), "user"),
+    (chat(stream="true"), "stream"),
+    (chat(stream_options={"include_usage": True}), "stream_options"),
+    (chat(stream=True, stream_options=[1]), "stream_options"),
+    (chat(stream=True, stream_options={"include_usage": 1}), "include_usage"),
+    (chat(stop_token_ids=[-1]), "stop_token_ids"),
+    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(logit_bias={"1": 2}), "logit_bias"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(temperature=float("nan")), "temperature"),
+]
+
+COMPLETION_ERRORS = [
+    ({"model": "m"}, "prompt"),
+    (comp(prompt=None), "prompt"),
+    (comp(prompt=""), "prompt"),
+    (comp(prompt=[]), "prompt"),
+    (comp(prompt=5), "prompt"),
+    (comp(prompt=[1, "a"]), "prompt"),
+    (comp(prompt=[[1, 2], "a"]), "prompt"),
+    (comp(prompt=[[]]), "prompt"),
+    (comp(prompt=[1, -2]), "prompt"),
+    (comp(prompt=[1, 2**32]), "prompt"),
+    (comp(prompt=[[1, True]]), "prompt"),
+    (comp(echo="no"), "echo"),
+    (comp(logprobs=True), "logprobs"),
+    (comp(logprobs=21), "logprobs"),
+    (comp(echo=True, logprobs=1), "echo"),
+    (comp(suffix="x"), "suffix"),
+    (comp(best_of=3), "best_of"),
+    (comp(max_tokens=0), "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", CHAT_ERRORS)
+def test_chat_errors(body, param):
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body)
+    assert e.value.status == 400
+    err = e.value.body()["error"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err["message"]
+
+
+@pytest.mark.parametrize("body,param", COMPLETION_ERRORS)
+def test_completion_errors(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion_request(body)
+    assert e.value.status == 400
+    assert e.value.body()["error"]["param"] == param, e.value.message
+
+
+@pytest.mark.parametrize("body", [None, [], "x", 1])
+def test_body_must_be_an_object(body):
+    for parse in (parse_chat_request, parse_completion_request):
+        with pytest.raises(APIError) as e:
+            parse(body)
+        assert e.value.status == 400
+
+
+def test_chat_conversion():
+    req = parse_chat_request(
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "next"},
+            ],
+            max_tokens=7,
+            max_completion_tokens=9,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=-1,
+            min_p=0.1,
+            seed=42,
+            n=3,
+            stop="END",
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.1,
+            logprobs=True,
+            top_logprobs=3,
+            ignore_eos=True,
+            min_tokens=2,
+            user="u1",
+            stream=True,
+            stream_options={"include_usage": True},
+            stop_token_ids=[5],
+            skip_special_tokens=False,
+            include_stop_str_in_output=True,
+        )
+    )
+    assert req.kind == "chat" and req.model == "m" and req.n == 3 and req.num_choices == 3
+    assert req.stream and req.include_usage and req.user == "u1"
+    [prompt] = req.prompts
+    assert prompt.messages == [
+        ("system", "be brief"),
+        ("user", "a\nb"),
+        ("assistant", "ok"),
+        ("user", "next"),
+    ]
+    fields = prompt.to_pb_fields()
+    assert [m.role for m in fields["chat"].messages] == ["system", "user", "assistant", "user"]
+    sp = req.sampling_params(2)
+    assert sp.max_tokens == 9  # max_completion_tokens wins
+    assert sp.seed == 44  # seed + choice
+    assert sp.logprobs == 3
+    assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+    assert sp.top_k == 0 and sp.min_p == pytest.approx(0.1)
+    assert list(sp.stop) == ["END"] and list(sp.stop_token_ids) == [5]
+    assert sp.ignore_eos and sp.min_tokens == 2 and sp.include_stop_str_in_output
+    assert sp.HasField("skip_special_tokens") and not sp.skip_special_tokens
+    assert sp.repetition_penalty == pytest.approx(1.1)
+    assert sp.presence_penalty == pytest.approx(0.5) and sp.frequency_penalty == pytest.approx(-0.5)
+
+
+def test_chat_defaults_leave_worker_defaults():
+    req = parse_chat_request(chat())
+    sp = req.sampling_params(0)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "min_p"):
+        assert not sp.HasField(name), name  # unset: the worker's default (max_tokens: context)
+    assert req.n == 1 and not req.stream and req.logprobs is None
+    # logprobs without top_logprobs: only the chosen token's
+    assert parse_chat_request(chat(logprobs=True)).sampling_params(0).logprobs == 0
+    # nulls are the same as absent
+    assert parse_chat_request(chat(max_tokens=None, temperature=None, stop=None)).max_tokens is None
+
+
+def test_completion_prompt_forms():
+    assert [p.text for p in parse_completion_request(comp(prompt="a")).prompts] == ["a"]
+    req = parse_completion_request(comp(prompt=["a", "b"], n=2, seed=3))
+    assert [p.text for p in req.prompts] == ["a", "b"] and req.num_choices == 4
+    assert [req.sampling_params(i).seed for i in range(4)] == [3, 4, 3, 4]
+    ids = parse_completion_request(comp(prompt=[1, 2, 3])).prompts
+    assert len(ids) == 1 and ids[0].token_ids == [1, 2, 3]
+    lists = parse_completion_request(comp(prompt=[[1], [2, 3]])).prompts
+    assert [p.token_ids for p in lists] == [[1], [2, 3]]
+    assert lists[0].to_pb_fields()["token_ids"].ids == [1]
+
+
+def test_completion_max_tokens_default_is_16():
+    assert parse_completion_request(comp()).sampling_params(0).max_tokens == 16
+    assert parse_completion_request(comp(max_tokens=3)).max_tokens == 3
+    assert parse_completion_request(comp(max_tokens=None)).max_tokens is None  # until context
+
+
+def test_completion_echo_and_logprobs():
+    req = parse_completion_request(comp(echo=True))
+    assert req.echo and req.logprobs is None
+    assert parse_completion_request(comp(logprobs=0)).logprobs == 0
+    assert parse_completion_request(comp(logprobs=5)).sampling_params(0).logprobs == 5
+
+
+def test_prefix_key_shares_leading_part():
+    long = "x" * 1000
+    a = parse_chat_request(chat(messages=[{"role": "system", "content": long}, *MSG]))
+    b = parse_chat_request(
+        chat(messages=[{"role": "system", "content": long}, {"role": "user", "content": "b"}])
+    )
+    assert a.prompts[0].prefix_key() == b.prompts[0].prefix_key()
+    ids = parse_completion_request(comp(prompt=list(range(100)))).prompts[0]
+    ids2 = parse_completion_request(comp(prompt=[*range(64), 7, 7])).prompts[0]
+    assert ids.prefix_key() == ids2.prefix_key()
