@@ -5,7 +5,7 @@ utilisation (weight bytes + KV bytes read per step / step time / copy bandwidth)
 Prefill: N prompts of L tokens, model FLOP rate.
 
     python benchmarks/gpu_engine_bench.py --config benchmarks/configs/llama3-8b.json \\
-        --batch 1 8 64 256 --ctx 1024 --kernel-backend torch
+        --batch 1 8 64 256 --ctx 1024 --kernel-backend triton
 """
 
 from __future__ import annotations
@@ -49,15 +49,14 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=2048)
-    ap.add_argument("--kernel-backend", default="torch")
-    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--kernel-backend", default="triton")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     cfg = json.loads(Path(args.config).read_text())
-    extra = {"enforce_eager": not args.cuda_graphs} if args.cuda_graphs else {}
     llm = LLM(
         str(model_dir(args.config)),
         load_format="dummy",
@@ -66,7 +65,7 @@ def main() -> None:
         kernel_backend=args.kernel_backend,
         max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(8192, args.prefill_len),
-        **extra,
+        enforce_eager=args.enforce_eager,
     )
     engine = llm.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())

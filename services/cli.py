@@ -23,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kernel-backend",
+        default="auto",
+        help="auto (torch on CPU, triton on GPU), torch, triton or aiter",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def engine_config_from_args(args, role: str):

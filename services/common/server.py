@@ -51,8 +51,12 @@ class WorkerContext:
             layout="block_major",
         )
         s = self.settings
+        location = "*"
+        if kv.is_cuda:
+            location = f"cuda:{kv.device.index}"
         connector = create_connector(
             s.transfer_backend,
+            memory_location=location,
             hostname=s.transfer_hostname,
             protocol=s.transfer_protocol,
             metadata=s.transfer_metadata,

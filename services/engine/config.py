@@ -15,7 +15,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
     load_format: str = "auto"
-    kernel_backend: str = "torch"
+    kernel_backend: str = "auto"  # torch on CPU, triton on GPU
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -24,6 +24,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    # CUDA graphs for decode steps (GPU, triton/aiter kernels); True: always eager
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -42,8 +45,22 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("cuda_graph_max_batch must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def kernel_backend_name(self) -> str:
+        if self.kernel_backend != "auto":
+            return self.kernel_backend
+        if self.device == "cpu":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
 
     @property
     def torch_dtype_name(self) -> str:

@@ -72,6 +72,7 @@ class LLMEngine:
             )
         self.max_model_len = max_model_len
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs(self.max_model_len)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

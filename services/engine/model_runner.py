@@ -9,10 +9,12 @@ small ones per block."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import ScheduledSeq
 from services.kernels import AttentionMetadata, get_backend
@@ -39,9 +41,12 @@ class ModelRunner:
     def __init__(self, config, hf_config, model_path, max_model_len: int):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches and graph capture follow the current device, not the tensors'.
+            torch.cuda.set_device(self.device)
         self.dtype = _DTYPES[config.torch_dtype_name]
         torch.manual_seed(config.seed)
-        self.ops = get_backend(config.kernel_backend)
+        self.ops = get_backend(config.kernel_backend_name)
         self.model = load_model(
             hf_config,
             model_path,
@@ -62,6 +67,28 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
+        self.graph_runner: CUDAGraphRunner | None = None
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs (after the KV cache exists). A no-op on CPU, with
+        enforce_eager, or with a kernel backend that cannot be captured."""
+        c = self.config
+        if (
+            self.device.type != "cuda"
+            or c.enforce_eager
+            or c.kernel_backend_name not in GRAPH_BACKENDS
+        ):
+            return
+        self.graph_runner = CUDAGraphRunner(
+            self.model,
+            self.ops,
+            max_batch=min(c.max_num_seqs, c.cuda_graph_max_batch),
+            max_model_len=max_model_len,
+            block_size=c.block_size,
+            device=self.device,
+        )
+        with _on_device(self.device):
+            self.graph_runner.capture()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.kv_spec
@@ -85,6 +112,13 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run one step. `sampling` lists, in batch order, the sequences whose prefill
         completes this step (they get a next token); returns None if there are none."""
+        with _on_device(self.device):
+            return self._execute(batch, sampling)
+
+    def _execute(self, batch, sampling):
+        if self._graph_eligible(batch):
+            logits = self._run_graph(batch)
+            return self.sampler(logits, sampling)
         input_ids, positions, meta, logits_rows = self._prepare(batch)
         self.ops.prepare_attention(meta)
         hidden = self.model(input_ids, positions, meta)
@@ -93,6 +127,36 @@ class ModelRunner:
         rows = torch.tensor(logits_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return self.sampler(logits, sampling)
+
+    def _graph_eligible(self, batch: list[ScheduledSeq]) -> bool:
+        g = self.graph_runner
+        if g is None or not all(
+            item.num_new_tokens == 1 and item.completes_prefill for item in batch
+        ):
+            return False
+        return g.can_run(len(batch), max(item.seq.num_computed_tokens + 1 for item in batch))
+
+    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        bs = self.config.block_size
+        ids, pos, slots, lens = [], [], [], []
+        for item in batch:
+            seq = item.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        width = max(len(item.seq.block_table) for item in batch)
+        tables = [
+            item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch
+        ]
+        return self.graph_runner.run(
+            torch.tensor(ids, dtype=torch.int64).pin_memory(),
+            torch.tensor(pos, dtype=torch.int64).pin_memory(),
+            torch.tensor(slots, dtype=torch.int64).pin_memory(),
+            torch.tensor(lens, dtype=torch.int32).pin_memory(),
+            torch.tensor(tables, dtype=torch.int32).pin_memory(),
+        )
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.config.block_size
@@ -131,3 +195,11 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, logits_rows
+
+
+def _on_device(device: torch.device):
+    # Triton launches on the current CUDA device: pin it per call, so several engines
+    # on different GPUs can share one process.
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -83,3 +83,31 @@ def test_bf16_on_gpu_tracks_transformers(backend, tmp_path):
     # bf16 rounding differs between kernels; near-ties may flip, most prompts must not
     assert agree >= 6, f"only {agree}/8 prompts agree on their first 4 tokens"
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_equals_eager(dtype, tmp_path):
+    pytest.importorskip("triton")
+    model_dir = save_random_model(tmp_path / "llama", "llama")
+    rng = random.Random(5)
+    # 3 and 19 sequences: padded up to the captured sizes 4 and 32
+    for n in (3, 19):
+        prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 300))] for _ in range(n)]
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+        results = {}
+        for eager in (True, False):
+            llm = LLM(
+                str(model_dir),
+                device="cuda",
+                dtype=dtype,
+                kernel_backend="triton",
+                enforce_eager=eager,
+                cuda_graph_max_batch=32,
+            )
+            assert (llm.engine.runner.graph_runner is None) == eager
+            results[eager] = llm.generate(prompts, params)
+            assert_all_blocks_free(llm)
+        for a, b in zip(results[True], results[False]):
+            assert a.output.token_ids == b.output.token_ids
+            for x, y, t in zip(a.output.logprobs, b.output.logprobs, a.output.token_ids):
+                assert abs(x[t].logprob - y[t].logprob) < (1e-4 if dtype == "float32" else 5e-2)

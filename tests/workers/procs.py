@@ -9,14 +9,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdpb.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
+# `python -m services.cli` rather than the console script: also works from a plain
+# checkout on PYTHONPATH (the GPU machines run the tests that way).
+PDSERVE = [sys.executable, "-m", "services.cli"]
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Worker:
 def start_worker(
     role: str, *args: str, model: str, timeout: float = 120, env: dict | None = None
 ) -> Worker:
-    cmd = [PDSERVE, role, "--model", model, "--port", "0", "--num-kv-blocks", "256", *args]
+    cmd = [*PDSERVE, role, "--model", model, "--port", "0", "--num-kv-blocks", "256", *args]
     env = {**os.environ, "GLOG_minloglevel": "2", **(env or {})}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

@@ -1,0 +1,151 @@
+"""Latency the router adds: the same streaming requests sent to the router (HTTP + SSE)
+and straight to the decode worker (gRPC), with one prefill and one decode worker on
+this machine. Reports p50 / p99 time to first token and per relayed token.
+
+    .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import grpc
+
+from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.workers.procs import PDSERVE, start_worker
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+
+async def via_router(session, url, i, max_tokens):
+    body = {
+        "model": "smollm2-135m",
+        "prompt": f"Request {i}: count from one to ten:",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    stamps = []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return start, stamps
+
+
+async def via_grpc(stub, prefill_addr, i, max_tokens):
+    req = decode_pb2.GenerateRequest(
+        request_id=f"direct-{i}-{time.monotonic_ns()}",
+        text=f"Request {i}: count from one to ten:",
+        sampling_params=common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ),
+        prefill_address=prefill_addr,
+    )
+    start = time.perf_counter()
+    stamps = []
+    async for resp in stub.Generate(req):
+        if resp.token_ids:
+            stamps.append(time.perf_counter())
+    return start, stamps
+
+
+def summarize(results):
+    ttft = [stamps[0] - start for start, stamps in results if stamps]
+    itl = [b - a for _, stamps in results for a, b in zip(stamps, stamps[1:])]
+    return {
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(itl, 0.5),
+        "itl_p99_ms": pct(itl, 0.99),
+    }
+
+
+async def run(url, decode_addr, prefill_addr, n, max_tokens):
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        routed = await asyncio.gather(*(via_router(session, url, i, max_tokens) for i in range(n)))
+    async with grpc.aio.insecure_channel(decode_addr) as ch:
+        stub = decode_pb2_grpc.DecodeServiceStub(ch)
+        direct = await asyncio.gather(
+            *(via_grpc(stub, prefill_addr, i, max_tokens) for i in range(n))
+        )
+    return summarize(routed), summarize(direct)
+
+
+def main() -> None:
+    from services.models.default_model import default_model_dir
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--port", type=int, default=18731)
+    args = ap.parse_args()
+    model = str(default_model_dir())
+    seqs = str(max(args.concurrency))
+    prefill = start_worker("prefill", "--max-num-seqs", seqs, model=model)
+    decode = start_worker("decode", "--max-num-seqs", seqs, "--num-kv-blocks", "4096", model=model)
+    router = subprocess.Popen(
+        [
+            *PDSERVE,
+            "router",
+            "--port",
+            str(args.port),
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--served-model-name",
+            "smollm2-135m",
+            "--max-concurrent-requests",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(f"{url}/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        asyncio.run(run(url, decode.address, prefill.address, 2, args.max_tokens))  # warm-up
+        print("| streams | path | TTFT p50 | TTFT p99 | per token p50 | per token p99 |")
+        print("|---|---|---|---|---|---|")
+        for n in args.concurrency:
+            routed, direct = asyncio.run(
+                run(url, decode.address, prefill.address, n, args.max_tokens)
+            )
+            for name, r in (("router", routed), ("direct gRPC", direct)):
+                print(
+                    f"| {n} | {name} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms "
+                    f"| {r['itl_p50_ms']:.1f} ms | {r['itl_p99_ms']:.1f} ms |",
+                    flush=True,
+                )
+            print(json.dumps({"streams": n, "router": routed, "direct": direct}), file=sys.stderr)
+    finally:
+        router.terminate()
+        router.wait(30)
+        prefill.stop()
+        decode.stop()
+
+
+if __name__ == "__main__":
+    main()
