@@ -21,28 +21,20 @@ from pathlib import Path
 
 import torch
 
-from kvtransfer import KVAgentInfo, KVLayout, create_connector
+from kvtransfer import KVAgentInfo, create_connector
+from services.common.kv import memory_location, register_kv_cache
 from services.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def connector_for(kv: torch.Tensor, spec, protocol: str, max_region_mb: int = 64):
-    layout = KVLayout(
-        num_blocks=kv.shape[0],
-        block_size=spec.block_size,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=str(spec.dtype).removeprefix("torch."),
-    )
     conn = create_connector(
         "mooncake",
         hostname="127.0.0.1",
         protocol=protocol,
-        memory_location=f"cuda:{kv.device.index}",
+        memory_location=memory_location(kv),
         max_region_bytes=max_region_mb << 20,
     )
-    with torch.cuda.device(kv.device):  # Mooncake registers on the current device
-        conn.register(kv.data_ptr(), kv.numel() * kv.element_size(), layout)
+    register_kv_cache(conn, kv, spec)
     return conn
 
 

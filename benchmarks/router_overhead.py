@@ -2,7 +2,7 @@
 and straight to the decode worker (gRPC), with one prefill and one decode worker on
 this machine. Reports p50 / p99 time to first token and per relayed token.
 
-    .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
+    PYTHONPATH=. .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvtransfer import KVConnector, KVLayout, create_connector
+from kvtransfer import KVConnector, create_connector
 from pdpb.v1 import common_pb2
 from services.common.engine_loop import EngineLoop
+from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine import EngineConfig, LLMEngine
@@ -39,30 +40,17 @@ class WorkerContext:
     def load(self) -> None:
         """Blocking: load the model and register the KV cache with the transfer engine."""
         engine = LLMEngine(self.engine_config)
-        spec = engine.runner.kv_spec
-        kv = engine.runner.kv_cache
-        layout = KVLayout(
-            num_blocks=kv.shape[0],
-            block_size=spec.block_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=str(spec.dtype).removeprefix("torch."),
-            layout="block_major",
-        )
+        kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
         s = self.settings
-        location = "*"
-        if kv.is_cuda:
-            location = f"cuda:{kv.device.index}"
         connector = create_connector(
             s.transfer_backend,
-            memory_location=location,
+            memory_location=memory_location(kv),
             hostname=s.transfer_hostname,
             protocol=s.transfer_protocol,
             metadata=s.transfer_metadata,
             device_name=s.transfer_device,
         )
-        connector.register(kv.data_ptr(), kv.numel() * kv.element_size(), layout)
+        register_kv_cache(connector, kv, spec)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
         self.loop.start()

@@ -30,6 +30,11 @@ class AttentionMetadata:
 class KernelBackend(Protocol):
     name: str
 
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        """x @ layer.weight.T + layer.bias; the backend may keep its own weight layout
+        on the layer (weights do not change after loading)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def fused_add_rms_norm(

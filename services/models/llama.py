@@ -12,6 +12,17 @@ from services.kernels import AttentionMetadata, KernelBackend
 from services.models.rope import cos_sin_cache, rope_parameters
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul is the kernel backend's choice (layout per shape)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.ops.linear(x, self)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, ops: KernelBackend):
         super().__init__()
@@ -39,8 +50,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias, ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias, ops)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_cache = torch.empty(0)
@@ -65,8 +76,8 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, ops)
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -124,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, ops, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
         self.tie_weights()
         self.cos_sin_cache = torch.empty(0)
 

@@ -6,23 +6,15 @@ from __future__ import annotations
 
 import hashlib
 
-from kvtransfer import KVLayout, create_connector
+from kvtransfer import create_connector
+from services.common.kv import register_kv_cache
 from services.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import assert_all_blocks_free
 
 
 def _connector(engine: LLMEngine):
-    kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
-    layout = KVLayout(
-        num_blocks=kv.shape[0],
-        block_size=spec.block_size,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype="float32",
-    )
     conn = create_connector("mooncake", hostname="127.0.0.1", protocol="tcp")
-    conn.register(kv.data_ptr(), kv.numel() * kv.element_size(), layout)
+    register_kv_cache(conn, engine.runner.kv_cache, engine.runner.kv_spec)
     return conn
 
 

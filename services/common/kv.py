@@ -1,0 +1,39 @@
+"""The engine's KV cache as the transfer layer sees it: a layout and one registered
+memory region. Lives at the service edge so the engine and kvtransfer stay unaware of
+each other."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kvtransfer import KVConnector, KVLayout
+
+
+def kv_layout(kv_cache: torch.Tensor, spec) -> KVLayout:
+    """spec: the model runner's KVCacheSpec; kv_cache: its block-major tensor."""
+    return KVLayout(
+        num_blocks=kv_cache.shape[0],
+        block_size=spec.block_size,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        layout="block_major",
+    )
+
+
+def memory_location(kv_cache: torch.Tensor) -> str:
+    return f"cuda:{kv_cache.device.index}" if kv_cache.is_cuda else "*"
+
+
+def register_kv_cache(connector: KVConnector, kv_cache: torch.Tensor, spec) -> None:
+    # Mooncake registers GPU memory on the current device
+    device = torch.cuda.device(kv_cache.device) if kv_cache.is_cuda else contextlib.nullcontext()
+    with device:
+        connector.register(
+            kv_cache.data_ptr(),
+            kv_cache.numel() * kv_cache.element_size(),
+            kv_layout(kv_cache, spec),
+        )
