@@ -210,24 +210,15 @@ class LLMEngine:
         if stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif min_reached and token in req.stop_token_ids:
-            self._finish(
-                seq,
-                "stop",
-                None
-                if token in self.eos_token_ids and token not in params.stop_token_ids
-                else token,
-            )
+            # as vLLM: stop_reason is the id for stop_token_ids, None for plain EOS
+            self._finish(seq, "stop", token if token in params.stop_token_ids else None)
         elif params.max_tokens is not None and n_out >= params.max_tokens:
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
         finished = seq.is_finished
         if finished:
-            if (
-                seq.finish_reason != "stop"
-                or isinstance(seq.stop_reason, int)
-                or seq.stop_reason is None
-            ):
+            if stop_str is None:  # text cut at a stop string stays cut
                 req.detok.flush()
             self.requests.pop(seq.seq_id, None)
         return self._make_output(seq, finished, req.detok)
