@@ -17,7 +17,7 @@ def hf_load(model_dir):
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False):
     """transformers' own greedy generate(), one prompt at a time (no padding)."""
-    inputs = torch.tensor([prompt_ids])
+    inputs = torch.tensor([prompt_ids], device=model.device)
     kwargs = dict(
         do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None
     )

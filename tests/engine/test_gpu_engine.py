@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from tests.engine.helpers import assert_all_blocks_free, save_random_model
+from tests.engine.helpers import assert_all_blocks_free, hf_greedy, save_random_model
 
 pytestmark = pytest.mark.gpu
 
@@ -39,18 +39,7 @@ def test_fp32_on_gpu_matches_transformers(kind, backend, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(_prompts(), params)
     for prompt, out in zip(_prompts(), outs):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device="cuda")
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=24,
-                min_new_tokens=24,
-                top_k=None,
-                top_p=None,
-                temperature=None,
-            )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, 24, ignore_eos=True)
         assert out.output.token_ids == ref
     assert_all_blocks_free(llm)
 
@@ -67,18 +56,7 @@ def test_bf16_on_gpu_tracks_transformers(backend, tmp_path):
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     agree = 0
     for prompt, out in zip(_prompts(), outs):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device="cuda")
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=8,
-                min_new_tokens=8,
-                top_k=None,
-                top_p=None,
-                temperature=None,
-            )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, 8, ignore_eos=True)
         agree += out.output.token_ids[:4] == ref[:4]
     # bf16 rounding differs between kernels; near-ties may flip, most prompts must not
     assert agree >= 6, f"only {agree}/8 prompts agree on their first 4 tokens"
