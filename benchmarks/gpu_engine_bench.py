@@ -33,6 +33,35 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write bytes/s
 
 
+def profile_decode(engine, steps: int) -> dict:
+    """Where a batch-1 decode step goes: graph replay alone vs the whole engine step,
+    and the kernels by total GPU time (torch profiler)."""
+    out = {}
+    g = engine.runner.graph_runner
+    if g is not None and 1 in g.graphs:
+        graph = g.graphs[1]
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out["graph_replay_ms"] = start.elapsed_time(end) / steps
+        print(f"  graph replay alone: {out['graph_replay_ms']:.3f} ms", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table, flush=True)
+    out["kernels"] = table
+    return out
+
+
 def model_dir(config_path: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix="pdserve-dummy-"))
     shutil.copy(config_path, d / "config.json")
@@ -51,6 +80,12 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--kernel-backend", default="triton")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--kernel-choices", default=None, help="tuned backend overrides")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="at batch 1: time the decode graph replay alone and list the top kernels",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
@@ -63,6 +98,7 @@ def main() -> None:
         device="cuda",
         dtype="bfloat16",
         kernel_backend=args.kernel_backend,
+        kernel_choices=args.kernel_choices,
         max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(8192, args.prefill_len),
         enforce_eager=args.enforce_eager,
@@ -104,6 +140,8 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         step = (time.perf_counter() - t) / args.decode_steps
+        if args.profile and b == 1:
+            results["profile_b1"] = profile_decode(engine, args.decode_steps)
         while engine.has_unfinished_requests():
             engine.step()
         kv_bytes = b * (args.ctx + 8) * kv_token_bytes

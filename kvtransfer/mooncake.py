@@ -13,8 +13,15 @@ Facts this code relies on (mooncake-transfer-engine 0.3.13, measured on loopback
 - The blocking calls can outlive any sane request deadline: a stopped (SIGSTOPped) peer
   takes 30 s (MC_TCP_PROGRESS_TIMEOUT_SEC) to fail a write and 60 s (not configurable)
   to fail the handshake. So the engine calls run on a helper thread and the caller waits
-  at most until its deadline; an abandoned call keeps the peer's lock until the engine
-  gives up, so later writes to that peer fail fast with a timeout instead of piling up.
+  at most until its deadline. Each peer (session id) gets one long-lived daemon thread,
+  "kv-write-<peer>", started on first use and fed by a queue: it runs that peer's writes
+  one at a time, and exits at close(). Threads are not retired when a peer goes away, so
+  a process holds one per distinct peer it ever wrote to. They are long-lived because
+  nvlink_intra caches a CUDA stream + event per calling thread, and a thread's first call
+  creates them and calls cudaGetDeviceProperties: a fresh thread per write cost ~1 ms a
+  transfer (1.71 ms for 268 MB on H200, where the copy takes ~0.8 ms). An abandoned call
+  keeps its peer's thread until the engine gives up; later writes to that peer wait
+  behind it and time out at their own deadline, skipped unsent instead of piling up.
   A refused connection (peer gone) fails in about a millisecond.
 - The first write to a peer handshakes while holding the engine's global mutex: a hung
   peer would stall writes to all peers. send_probe() takes no such lock, so a new peer
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -62,6 +70,16 @@ def _import_engine() -> Any:
             f"Cause: {exc}"
         ) from exc
     return TransferEngine
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """A peer's worker thread: run its jobs in order until the None sentinel.
+
+    Holds only the queue between jobs, so an idle worker does not keep the connector
+    (and its engine) alive."""
+    while (job := jobs.get()) is not None:
+        job()  # never raises: the job hands its outcome to the caller
+        del job
 
 
 class MooncakeConnector(KVConnector):
@@ -144,8 +162,8 @@ class MooncakeConnector(KVConnector):
 
         self._info: KVAgentInfo | None = None
         self._closed = False
-        self._peer_locks: dict[str, threading.Lock] = {}
-        self._workers: set[threading.Thread] = set()  # engine calls still running
+        # per peer: its worker thread and job queue (see _serve)
+        self._peer_workers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
         self._handshaken: set[str] = set()  # peers the engine has a live segment for
         self._state_lock = threading.Lock()
 
@@ -191,71 +209,79 @@ class MooncakeConnector(KVConnector):
     def _write_regions(
         self, peer: KVAgentInfo, regions: list[tuple[int, int, int]], deadline: float
     ) -> int:
-        if self._closed:
-            raise KVTransferError("connector is closed", peer=peer.session_id)
         batches = batched(regions, self.max_batch)
-        with self._state_lock:
-            peer_lock = self._peer_locks.setdefault(peer.session_id, threading.Lock())
         result: dict[str, Any] = {}
         abandon = threading.Event()
+        done = threading.Event()
 
-        def work() -> None:
-            # Runs the blocking engine calls; the caller waits for it at most until the
-            # deadline. The peer lock keeps one batch per peer in the engine's queue.
+        def job() -> None:
+            # Runs the blocking engine calls on the peer's worker thread; the caller waits
+            # for it at most until the deadline. One job at a time per peer keeps one
+            # batch per peer in the engine's queue.
             try:
-                if not peer_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    result["busy"] = True
-                    return
-                try:
-                    if peer.session_id not in self._handshaken:
-                        # The engine handshakes with a new peer while holding its global
-                        # mutex, so a hung peer would stall transfers to every peer for
-                        # 60 s. send_probe takes no such lock: prove the peer answers
-                        # first (a hung probe only strands this thread).
-                        rc = self._engine.send_probe(peer.session_id)
-                        if rc != 0:
-                            result["probe_rc"] = rc
-                            return
-                    for i, batch in enumerate(batches):
-                        if abandon.is_set() or time.monotonic() >= deadline:
-                            result["late"] = i
-                            return
-                        rc = self._engine.batch_transfer_sync_write(
-                            peer.session_id,
-                            [r[0] for r in batch],
-                            [r[1] for r in batch],
-                            [r[2] for r in batch],
-                        )
-                        if rc != 0:
-                            # Mooncake may have dropped the segment: probe again next time
-                            self._handshaken.discard(peer.session_id)
-                            result["rc"], result["batch"] = rc, i
-                            return
-                        self._handshaken.add(peer.session_id)
-                    result["ok"] = True
-                finally:
-                    peer_lock.release()
+                with self._state_lock:  # atomic with the caller giving up (see below)
+                    if abandon.is_set() or time.monotonic() >= deadline:
+                        # an earlier, abandoned job held the thread past our deadline
+                        result["busy"] = True
+                        return
+                    result["started"] = True
+                if peer.session_id not in self._handshaken:
+                    # The engine handshakes with a new peer while holding its global
+                    # mutex, so a hung peer would stall transfers to every peer for
+                    # 60 s. send_probe takes no such lock: prove the peer answers
+                    # first (a hung probe only stalls this peer's thread).
+                    rc = self._engine.send_probe(peer.session_id)
+                    if rc != 0:
+                        result["probe_rc"] = rc
+                        return
+                for i, batch in enumerate(batches):
+                    if abandon.is_set() or time.monotonic() >= deadline:
+                        result["late"] = i
+                        return
+                    rc = self._engine.batch_transfer_sync_write(
+                        peer.session_id,
+                        [r[0] for r in batch],
+                        [r[1] for r in batch],
+                        [r[2] for r in batch],
+                    )
+                    if rc != 0:
+                        # Mooncake may have dropped the segment: probe again next time
+                        self._handshaken.discard(peer.session_id)
+                        result["rc"], result["batch"] = rc, i
+                        return
+                    self._handshaken.add(peer.session_id)
+                result["ok"] = True
             except BaseException as exc:  # surfaced to the caller below
                 result["exc"] = exc
             finally:
-                with self._state_lock:
-                    self._workers.discard(threading.current_thread())
+                done.set()
 
-        worker = threading.Thread(target=work, name=f"kv-write-{peer.session_id}", daemon=True)
-        with self._state_lock:
-            self._workers.add(worker)
-        worker.start()
-        worker.join(max(0.0, deadline - time.monotonic()))
+        with self._state_lock:  # so close() cannot queue its sentinel before our job
+            if self._closed:
+                raise KVTransferError("connector is closed", peer=peer.session_id)
+            worker = self._peer_workers.get(peer.session_id)
+            if worker is None:
+                jobs: queue.SimpleQueue = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=_serve, args=(jobs,), name=f"kv-write-{peer.session_id}", daemon=True
+                )
+                thread.start()
+                worker = self._peer_workers[peer.session_id] = (thread, jobs)
+            worker[1].put(job)
         nbytes = sum(r[2] for r in regions)
         where = f"{len(regions)} regions / {nbytes} bytes in {len(batches)} batches"
-        if worker.is_alive():
-            abandon.set()
-            raise KVTransferError(
-                f"KV write timed out ({where}); the engine call is abandoned and the "
-                "destination blocks are undefined",
-                peer=peer.session_id,
-                timed_out=True,
-            )
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            with self._state_lock:
+                abandon.set()  # the job, if not started yet, now never starts
+                started = "started" in result
+            if started:
+                raise KVTransferError(
+                    f"KV write timed out ({where}); the engine call is abandoned and the "
+                    "destination blocks are undefined",
+                    peer=peer.session_id,
+                    timed_out=True,
+                )
+            result["busy"] = True  # still queued behind an earlier transfer
         if result.get("ok"):
             return len(batches)
         if "exc" in result:
@@ -291,19 +317,23 @@ class MooncakeConnector(KVConnector):
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
         """Unregister the KV buffer and destroy the engine (stops its listeners).
 
-        Engine calls abandoned after a timeout may still be running; destroying the
-        engine under them would crash the process, so we wait up to wait_s for them and
-        otherwise keep the engine alive (leaked, logged) rather than risk that.
+        Every peer's worker thread is told to exit after the jobs already queued. Engine
+        calls abandoned after a timeout may still be running on them; destroying the
+        engine under them would crash the process, so we wait up to wait_s for the
+        threads and otherwise keep the engine alive (leaked, logged) rather than risk it.
         """
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
-            workers = list(self._workers)
+            threads = []
+            for thread, jobs in self._peer_workers.values():
+                jobs.put(None)  # sentinel: _serve returns
+                threads.append(thread)
         end = time.monotonic() + wait_s
-        for w in workers:
-            w.join(max(0.0, end - time.monotonic()))
-        if any(w.is_alive() for w in workers):
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in threads):
             log.warning(
                 "closing Mooncake connector %s with engine calls still running; "
                 "leaking the engine instead of destroying it under them",

@@ -26,7 +26,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernel-backend",
         default="auto",
-        help="auto (torch on CPU, triton on GPU), torch, triton or aiter",
+        help="auto (torch on CPU, tuned on GPU), torch, triton, aiter or tuned (per op, "
+        "the candidate measured fastest on this GPU; see pdserve tune-kernels)",
+    )
+    p.add_argument(
+        "--kernel-choices",
+        default=None,
+        help="tuned backend: override its picks, e.g. "
+        "'paged_attention.prefill=sdpa,rms_norm=triton' (op[.class]=candidate,...)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
@@ -47,6 +54,9 @@ def engine_config_from_args(args, role: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        kernel_backend=args.kernel_backend,
+        kernel_choices=args.kernel_choices,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -167,6 +177,27 @@ def _cmd_worker(args) -> int:
     return 0
 
 
+def _cmd_tune_kernels(args) -> int:
+    """Measure every kernel candidate at the model's shapes on this device, save the
+    choices where the tuned backend looks for them, and print the table."""
+    import logging
+
+    from services.kernels.tuner import KernelShapes, tune
+    from services.models.loader import load_hf_config, resolve_model_path
+
+    logging.basicConfig(level=logging.WARNING)
+    config = engine_config_from_args(args, "both")
+    hf_config = load_hf_config(resolve_model_path(config.model))
+    shapes = KernelShapes.from_hf_config(hf_config, config.block_size, config.torch_dtype_name)
+    result = tune(shapes, config.device, retune=not args.use_cache)
+    print(f"{result.device_name}, {shapes.dtype}, block size {shapes.block_size}; microseconds")
+    print(result.table())
+    for key, why in sorted(result.rejected.items()):
+        for name, reason in sorted(why.items()):
+            print(f"rejected {key} {name}: {reason}")
+    return 0
+
+
 def _cmd_router(args) -> int:
     from router.cli import run_router
 
@@ -190,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.set_defaults(func=_cmd_chat)
+    tune_p = sub.add_parser(
+        "tune-kernels", help="time every kernel candidate on this GPU and cache the picks"
+    )
+    _add_engine_args(tune_p)
+    tune_p.add_argument(
+        "--use-cache", action="store_true", help="print cached choices instead of re-measuring"
+    )
+    tune_p.set_defaults(func=_cmd_tune_kernels)
     for role in ("prefill", "decode"):
         worker = sub.add_parser(role, help=f"run a {role} worker (gRPC)")
         _add_worker_args(worker, role)

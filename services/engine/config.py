@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter", "tuned")
 
 
 @dataclass
@@ -15,7 +16,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
     load_format: str = "auto"
-    kernel_backend: str = "auto"  # torch on CPU, triton on GPU
+    kernel_backend: str = "auto"  # torch on CPU, tuned on GPU (with triton installed)
+    # overrides of the tuner's picks, "op[.class]=candidate,..." (tuned backend only)
+    kernel_choices: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -35,6 +38,19 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
+            )
+        if self.kernel_choices:
+            if self.kernel_backend_name != "tuned":
+                raise ValueError(
+                    "kernel_choices only applies to the tuned kernel backend "
+                    f"(kernel_backend is {self.kernel_backend!r} here)"
+                )
+            from services.kernels.tuner import parse_choices
+
+            parse_choices(self.kernel_choices)  # raises ValueError on a bad spec
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -60,7 +76,7 @@ class EngineConfig:
             import triton  # noqa: F401
         except ImportError:
             return "torch"
-        return "triton"
+        return "tuned"
 
     @property
     def torch_dtype_name(self) -> str:

@@ -8,7 +8,7 @@ nearest captured size; padded rows write their KV to slot -1 (skipped by the ker
 and attend to a single key, and their logits are dropped.
 
 Needs a kernel backend whose ops read every length from device tensors (no host sync,
-no data-dependent shapes): `triton` and `aiter`. The torch backend runs eagerly."""
+no data-dependent shapes): `triton`, `aiter` and `tuned`. The torch backend runs eagerly."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from services.kernels import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-GRAPH_BACKENDS = ("triton", "aiter")
+# tuned: its tuner only considers capture-safe candidates for decode-sized batches
+GRAPH_BACKENDS = ("triton", "aiter", "tuned")
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -45,14 +46,19 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         n = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_model_len // block_size)
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # Inputs live in a few packed buffers, staged through pinned host copies that
+        # are reused every step: three host-to-device copies per replay, no allocation.
+        self._dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev_i64.unbind(0)
         self.seq_lens = torch.ones(n, **i32)
-        self.block_tables = torch.zeros(n, max_blocks, **i32)
+        self.block_tables = torch.zeros(n, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(n + 1, **i32)
+        self._host_i64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self._staged = torch.cuda.Event()  # the last copies out of the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -94,17 +100,25 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Inputs are host (CPU) tensors for the real rows; returns their logits."""
-        n = input_ids.shape[0]
+        """Inputs are host lists for the real rows (block_tables: one list per row);
+        returns their logits."""
+        n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        if bs > n:  # padding rows: write nowhere, attend to one key
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
+        self._staged.synchronize()  # the previous step's copies have left the buffers
+        host = self._host_i64.numpy()
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        host[2, :n] = slot_mapping
+        host[2, n:bs] = -1  # padding rows write nowhere...
+        lens = self._host_lens.numpy()
+        lens[:n] = seq_lens
+        lens[n:bs] = 1  # ...and attend to one key
+        tables = self._host_tables.numpy()
+        for i, row in enumerate(block_tables):
+            tables[i, : len(row)] = row  # entries past a row's length are never read
+        self._dev_i64.copy_(self._host_i64, non_blocking=True)
+        self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
+        self.block_tables[:bs].copy_(self._host_tables[:bs], non_blocking=True)
+        self._staged.record()
         self.graphs[bs].replay()
         return self.logits[bs][:n]

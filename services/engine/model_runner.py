@@ -18,6 +18,7 @@ from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import ScheduledSeq
 from services.kernels import AttentionMetadata, get_backend
+from services.kernels.tuner import KernelShapes
 from services.models.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +47,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = _DTYPES[config.torch_dtype_name]
         torch.manual_seed(config.seed)
-        self.ops = get_backend(config.kernel_backend_name)
+        self.ops = get_backend(
+            config.kernel_backend_name,
+            shapes=KernelShapes.from_hf_config(
+                hf_config, config.block_size, config.torch_dtype_name
+            ),
+            device=self.device,
+            choices=config.kernel_choices,
+        )
         self.model = load_model(
             hf_config,
             model_path,
@@ -138,7 +146,7 @@ class ModelRunner:
 
     def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.config.block_size
-        ids, pos, slots, lens = [], [], [], []
+        ids, pos, slots, lens, tables = [], [], [], [], []
         for item in batch:
             seq = item.seq
             p = seq.num_computed_tokens
@@ -146,17 +154,8 @@ class ModelRunner:
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
-        width = max(len(item.seq.block_table) for item in batch)
-        tables = [
-            item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch
-        ]
-        return self.graph_runner.run(
-            torch.tensor(ids, dtype=torch.int64).pin_memory(),
-            torch.tensor(pos, dtype=torch.int64).pin_memory(),
-            torch.tensor(slots, dtype=torch.int64).pin_memory(),
-            torch.tensor(lens, dtype=torch.int32).pin_memory(),
-            torch.tensor(tables, dtype=torch.int32).pin_memory(),
-        )
+            tables.append(seq.block_table)
+        return self.graph_runner.run(ids, pos, slots, lens, tables)
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.config.block_size
@@ -191,6 +190,8 @@ class ModelRunner:
             max_query_len=max(item.num_new_tokens for item in batch),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            cu_seqlens_q_cpu=cu_seqlens,
+            seq_lens_cpu=seq_lens,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)

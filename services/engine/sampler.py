@@ -32,6 +32,9 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        if all(_plain_greedy(r) for r in requests):
+            # the common decode step: argmax of the raw logits (exact in any dtype)
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
@@ -73,6 +76,16 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_(generator=r.generator)
             out[i] = int((probs / noise).argmax())
         return out
+
+
+def _plain_greedy(r: SamplingRequest) -> bool:
+    p = r.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.has_penalties
+        and not (len(r.output_token_ids) < p.min_tokens and r.stop_token_ids)
+    )
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

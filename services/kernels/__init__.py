@@ -8,16 +8,20 @@ directly, so `triton` and `aiter` backends plug in without touching the models.
           or a CPU under TRITON_INTERPRET=1 (tests only: slow).
 - aiter:  AMD AITER's Triton kernels (native `import aiter` on ROCm, shimmed
           `aiter.ops.triton.*` elsewhere) with the triton backend for the ops it lacks.
+- tuned:  per operation and shape class, whichever of those (and torch's fused SDPA
+          for prefill attention) measured fastest on this GPU (services/kernels/tuner.py).
 """
 
 from __future__ import annotations
 
 from services.kernels.interface import AttentionMetadata, KernelBackend
 
-_BACKENDS = ("torch", "triton", "aiter")
+_BACKENDS = ("torch", "triton", "aiter", "tuned")
 
 
-def get_backend(name: str = "torch") -> KernelBackend:
+def get_backend(name: str = "torch", *, shapes=None, device=None, choices=None) -> KernelBackend:
+    """`tuned` also needs the model's KernelShapes and the device it runs on; `choices`
+    ("op[.class]=candidate,...") overrides what the tuner picked."""
     if name == "torch":
         from services.kernels.torch_backend import TorchBackend
 
@@ -41,6 +45,12 @@ def get_backend(name: str = "torch") -> KernelBackend:
                 f"kernel backend 'aiter' is unavailable here: {exc}; "
                 "use 'triton' or 'torch' instead"
             ) from exc
+    if name == "tuned":
+        from services.kernels.tuner import tuned_backend
+
+        if shapes is None or device is None:
+            raise ValueError("kernel backend 'tuned' needs the model shapes and a device")
+        return tuned_backend(shapes, device, choices)
     raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(_BACKENDS)}")
 
 

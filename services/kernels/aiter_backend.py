@@ -37,8 +37,11 @@ def _pow2(n: int) -> bool:
 class AiterBackend:
     name = "aiter"
 
-    def __init__(self, fallback=None):
+    def __init__(self, fallback=None, use_triton_gemm: bool = False):
         aiter_shims.check_version()
+        # linear through AITER's Triton GEMM (gemm_a16w16) instead of cuBLAS: off by
+        # default (3-8x slower on the H200); the kernel tuner measures it as a candidate.
+        self._gemm = aiter_shims.load_triton_op("gemm_a16w16") if use_triton_gemm else None
         self.native = aiter_shims.is_rocm()
         self._attn = aiter_shims.load_triton_op("unified_attention")
         self._norm = aiter_shims.load_triton_op("rmsnorm")
@@ -50,8 +53,13 @@ class AiterBackend:
         self.fallback = fallback
 
     def linear(self, x, layer):
-        # AITER's Triton GEMM is 3-8x slower than cuBLAS on the H200 (DESIGN.md)
-        return self.fallback.linear(x, layer)
+        if self._gemm is None or x.dtype not in (torch.float16, torch.bfloat16):
+            return self.fallback.linear(x, layer)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = self._gemm.gemm_a16w16(x2, layer.weight, layer.bias, dtype=x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     # ---- norms -------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):

@@ -23,6 +23,11 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Host copies of cu_seqlens_q / seq_lens, when the caller has them (eager steps).
+    # Kernels that split work per sequence read them without a device sync; captured
+    # CUDA-graph steps leave them None (their lengths change between replays).
+    cu_seqlens_q_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
     # filled once per step by KernelBackend.prepare_attention, read by every layer
     backend_data: dict = field(default_factory=dict)
 

@@ -27,7 +27,7 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     return sub.choices
 
 
-@pytest.mark.parametrize("command", ["prefill", "decode", "router", "up"])
+@pytest.mark.parametrize("command", ["prefill", "decode", "router", "up", "tune-kernels"])
 def test_every_flag_is_documented(command):
     parsers = _subcommands()
     if command not in parsers:

@@ -189,6 +189,14 @@ def test_defaults():
     assert _worker_cli(find(docs, "Deployment", name("decode"))).prefill_failure_policy == (
         "recompute"
     )
+    for role in ("prefill", "decode"):
+        # kernel flags: the backend always given (auto), no choices, CUDA graphs allowed
+        dep = find(docs, "Deployment", name(role))
+        args = container(dep)["args"]
+        assert args[args.index("--kernel-backend") + 1] == "auto"
+        assert "--kernel-choices" not in args and "--enforce-eager" not in args
+        cli = _worker_cli(dep)
+        assert (cli.kernel_backend, cli.kernel_choices, cli.enforce_eager) == ("auto", None, False)
     parsed, config = _router_cli(docs)
     assert (config.prefill_policy, config.decode_policy) == ("round_robin", "least_load")
     assert config.api_keys == ()
@@ -320,6 +328,35 @@ def test_nvlink_intra_sets_mooncake_variable():
     assert "MC_INTRANODE_NVLINK" not in {e["name"] for e in c["env"]}
 
 
+def test_kernel_flags_per_pool():
+    """engine.kernelBackend / kernelChoices / enforceEager reach only their own pool."""
+    choices = "paged_attention.prefill=sdpa,rms_norm=triton"
+    docs = helm.render(
+        {
+            "prefill": {"engine": {"device": "cuda", "kernelChoices": choices}},
+            "decode": {"engine": {"kernelBackend": "triton", "enforceEager": True}},
+        }
+    )
+    prefill = find(docs, "Deployment", name("prefill"))
+    decode = find(docs, "Deployment", name("decode"))
+    p_args, d_args = container(prefill)["args"], container(decode)["args"]
+    assert p_args[p_args.index("--kernel-choices") + 1] == choices
+    assert "--enforce-eager" not in p_args
+    assert "--kernel-choices" not in d_args and d_args.count("--enforce-eager") == 1
+    p_cli, d_cli = _worker_cli(prefill), _worker_cli(decode)
+    assert (p_cli.device, p_cli.kernel_backend, p_cli.kernel_choices) == ("cuda", "auto", choices)
+    assert p_cli.enforce_eager is False
+    assert (d_cli.kernel_backend, d_cli.kernel_choices, d_cli.enforce_eager) == (
+        "triton",
+        None,
+        True,
+    )
+    # the tuned backend may be asked for by name, on any device
+    docs = helm.render({"decode": {"engine": {"kernelBackend": "tuned", "kernelChoices": choices}}})
+    d_cli = _worker_cli(find(docs, "Deployment", name("decode")))
+    assert (d_cli.device, d_cli.kernel_backend, d_cli.kernel_choices) == ("cpu", "tuned", choices)
+
+
 def test_api_key_value_admin_secret_and_amd_gpus():
     docs = helm.render(
         {
@@ -411,6 +448,18 @@ BAD = [
     ({"model": {"source": "pvc"}}, "claimName"),
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"prefill": {"engine": {"kernelBackend": "cudnn"}}}, "/prefill/engine/kernelBackend"),
+    ({"decode": {"engine": {"enforceEager": "yes"}}}, "/decode/engine/enforceEager"),
+    (
+        {"decode": {"engine": {"kernelBackend": "tuned", "kernelChoices": "rms_norm=triton;id"}}},
+        "/decode/engine/kernelChoices",
+    ),
+    # kernel choices only apply to the tuned backend (tuned, or auto on a GPU)
+    (
+        {"prefill": {"engine": {"kernelBackend": "torch", "kernelChoices": "rms_norm=triton"}}},
+        "/prefill/engine': 'anyOf' failed",
+    ),
+    ({"decode": {"engine": {"kernelChoices": "rms_norm=triton"}}}, "/decode/engine': 'anyOf'"),
 ]
 
 

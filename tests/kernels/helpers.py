@@ -78,6 +78,8 @@ def make_attention_batch(
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=list(seq_lens),
     )
     return q.to(dev), kv[:, layer, 0], kv[:, layer, 1], meta, kv
 

@@ -30,7 +30,7 @@ def prompts():
     return [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 18, 41)]
 
 
-def _generate(model_dir, prompts, backend, device):
+def _generate(model_dir, prompts, backend, device, **engine_args):
     llm = LLM(
         str(model_dir),
         kernel_backend=backend,
@@ -40,6 +40,7 @@ def _generate(model_dir, prompts, backend, device):
         max_num_batched_tokens=24,  # chunks the 41-token prompt next to decode rows
         num_kv_blocks=32,
         max_model_len=128,
+        **engine_args,
     )
     assert llm.engine.runner.ops.name == backend
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -68,3 +69,30 @@ def test_engine_greedy_tokens_match_torch_backend(
     tokens = _generate(tiny_llama, prompts, backend, device)
     assert all(len(t) == MAX_TOKENS for t in tokens)
     assert tokens == torch_tokens
+
+
+# Every op from a different candidate than its neighbours, sdpa for prompt and mixed
+# attention: dispatch by class must keep the tokens exact.
+MIXED_CHOICES = (
+    "linear=torch,rms_norm=triton,fused_add_rms_norm.decode8=triton,"
+    "fused_add_rms_norm.decode64=torch,fused_add_rms_norm.decode256=triton,"
+    "fused_add_rms_norm.prefill=torch,rotary_embedding=triton,silu_and_mul=torch,"
+    "silu_and_mul.prefill=triton,store_kv_cache=triton,paged_attention.decode8=triton,"
+    "paged_attention.decode64=triton,paged_attention.decode256=triton,"
+    "paged_attention.prefill=sdpa,paged_attention.mixed=sdpa"
+)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_tuned_backend_matches_torch_backend(
+    tiny_llama, prompts, torch_tokens, device, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    # On a CPU every choice is given (measuring under the interpreter takes minutes);
+    # on a GPU the tuner measures at this model's shapes, then the cache is reused.
+    choices = MIXED_CHOICES if device == "cpu" else None
+    tokens = _generate(tiny_llama, prompts, "tuned", device, kernel_choices=choices)
+    assert tokens == torch_tokens
+    if device != "cpu":
+        assert list((tmp_path / "kernel_tuning").glob("*.json"))
+        assert _generate(tiny_llama, prompts, "tuned", device) == torch_tokens

@@ -268,6 +268,27 @@ def test_concurrent_writes_to_one_peer(pair):
     assert_copied(writer, reader, before, src, dst)
 
 
+def test_writes_to_a_peer_share_one_long_lived_thread():
+    # nvlink_intra caches a CUDA stream per calling thread (~1 ms to set up), so each
+    # peer's writes run on one worker thread that outlives the write; close() stops it.
+    writer = Worker(16, seed=9)
+    reader = Worker(16, seed=10)
+    name = f"kv-write-{reader.info.session_id}"
+    try:
+        for i in range(3):
+            writer.conn.write_blocks(reader.info, [i], [i + 4], timeout_s=10)
+            assert reader.block(i + 4) == writer.block(i)
+        threads = [t for t in threading.enumerate() if t.name == name]
+        assert len(threads) == 1 and threads[0].daemon
+    finally:
+        writer.conn.close()
+        reader.conn.close()
+    assert not threads[0].is_alive()
+    assert writer.conn._engine is None
+    with pytest.raises(KVTransferError, match="closed"):
+        writer.conn.write_blocks(reader.info, [0], [0], timeout_s=1)
+
+
 def test_stats_counters(pair):
     writer, reader = pair
     before = writer.conn.stats()

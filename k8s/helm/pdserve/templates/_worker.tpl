@@ -141,6 +141,15 @@ spec:
             {{- if not $e.enablePrefixCaching }}
             - --no-prefix-caching
             {{- end }}
+            - --kernel-backend
+            - {{ $e.kernelBackend | quote }}
+            {{- if $e.kernelChoices }}
+            - --kernel-choices
+            - {{ $e.kernelChoices | quote }}
+            {{- end }}
+            {{- if $e.enforceEager }}
+            - --enforce-eager
+            {{- end }}
             - --host
             - "0.0.0.0"
             - --port

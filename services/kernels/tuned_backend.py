@@ -1,0 +1,54 @@
+"""The `tuned` kernel backend: each call goes to the candidate backend the tuner chose
+for that operation and shape class (services/kernels/tuner.py). Dispatch is a dict
+lookup on host-side sizes, so it costs nothing inside captured CUDA graphs (the choice
+is baked in at capture)."""
+
+from __future__ import annotations
+
+from services.kernels.interface import AttentionMetadata
+from services.kernels.tuner import OP_CLASSES, attention_class, token_class
+
+
+class TunedBackend:
+    name = "tuned"
+
+    def __init__(self, backends: dict[str, object], choices: dict[str, str]):
+        missing = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs} - set(choices)
+        if missing:
+            raise ValueError(f"no kernel chosen for {sorted(missing)}")
+        unknown = {name for name in choices.values() if name not in backends}
+        if unknown:
+            raise ValueError(f"chosen kernel backends not loaded: {sorted(unknown)}")
+        self.choices = dict(choices)
+        self._pick = {key: backends[name] for key, name in choices.items()}
+
+    def _by_tokens(self, op: str, num_tokens: int):
+        return self._pick[f"{op}.{token_class(num_tokens)}"]
+
+    def linear(self, x, layer):
+        return self._by_tokens("linear", x.shape[0]).linear(x, layer)
+
+    def rms_norm(self, x, weight, eps):
+        return self._by_tokens("rms_norm", x.shape[0]).rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        backend = self._by_tokens("fused_add_rms_norm", x.shape[0])
+        return backend.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache):
+        backend = self._by_tokens("rotary_embedding", q.shape[0])
+        return backend.rotary_embedding(positions, q, k, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return self._by_tokens("silu_and_mul", x.shape[0]).silu_and_mul(x)
+
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        backend = self._by_tokens("store_kv_cache", k.shape[0])
+        backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prepare_attention(self, metadata: AttentionMetadata) -> None:
+        self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)
+
+    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+        backend = self._pick[f"paged_attention.{attention_class(metadata)}"]
+        return backend.paged_attention(q, k_cache, v_cache, metadata, scale)

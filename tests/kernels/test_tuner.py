@@ -1,0 +1,168 @@
+"""The kernel tuner: every op and shape class gets a measured, correct, capture-safe
+choice; choices are cached per device and reused; overrides are validated and win; a
+candidate with wrong output is rejected; the engine on the tuned backend reproduces the
+torch backend's greedy tokens. On a CPU the Triton candidates run under the
+interpreter, so shapes are tiny and the times mean nothing: the mechanics are tested."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from services.engine import EngineConfig  # noqa: E402
+from services.kernels import get_backend  # noqa: E402
+from services.kernels.torch_backend import TorchBackend  # noqa: E402
+from services.kernels.tuner import (  # noqa: E402
+    GRAPH_CLASSES,
+    NOT_GRAPH_SAFE,
+    OP_CLASSES,
+    KernelShapes,
+    TuningSizes,
+    attention_class,
+    load_candidates,
+    parse_choices,
+    token_class,
+    tune,
+)
+from tests.kernels.helpers import make_attention_batch  # noqa: E402
+
+SHAPES = KernelShapes(
+    hidden_size=64,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    block_size=16,
+    dtype="float32",
+)
+ALL_KEYS = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    # aiter's kernels are slow under the interpreter; test_aiter covers them
+    return load_candidates(("torch", "triton", "sdpa"))
+
+
+@pytest.fixture(scope="module")
+def sizes(device):
+    return TuningSizes.tiny() if device == "cpu" else TuningSizes()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
+    tmp_path, candidates, sizes, device
+):
+    shapes = SHAPES if device == "cpu" else KernelShapes(4096, 32, 8, 128, 14336, 16, "bfloat16")
+    result = tune(shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    assert not result.from_cache
+    assert set(result.choices) == ALL_KEYS
+    for key, choice in result.choices.items():
+        op, cls = key.split(".")
+        times = result.times_us[key]
+        assert times, f"{key}: no candidate measured ({result.rejected.get(key)})"
+        assert choice == min(times, key=times.get)
+        assert all(t > 0 for t in times.values())
+        if cls in GRAPH_CLASSES:
+            assert choice not in NOT_GRAPH_SAFE.get(op, ()), key
+            assert not set(times) & NOT_GRAPH_SAFE.get(op, set()), key
+    assert "sdpa" in result.times_us["paged_attention.prefill"]
+    assert result.rejected == {}, result.rejected
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and result.device_name.lower().split()[0] in files[0].name
+
+    again = tune(shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    assert again.from_cache and again.choices == result.choices
+    assert again.times_us == result.times_us
+    fresh = tune(
+        shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path, retune=True
+    )
+    assert not fresh.from_cache and set(fresh.choices) == ALL_KEYS
+    table = result.table()
+    assert table.count("\n") == len(ALL_KEYS) + 1 and "| paged_attention | prefill |" in table
+
+
+class _WrongNorm(TorchBackend):
+    """A deliberately broken candidate (fault injected on purpose)."""
+
+    name = "wrong"
+
+    def rms_norm(self, x, weight, eps):
+        return torch.zeros_like(x)
+
+
+def test_a_candidate_with_wrong_output_is_rejected(tmp_path, monkeypatch):
+    import services.kernels.tuner as tuner
+
+    monkeypatch.setitem(tuner.CANDIDATES, "rms_norm", ("torch", "wrong"))
+    cands = {"torch": TorchBackend(), "wrong": _WrongNorm()}
+    result = tune(SHAPES, "cpu", candidates=cands, sizes=TuningSizes.tiny(), cache_dir=tmp_path)
+    for cls in OP_CLASSES["rms_norm"]:
+        assert result.choices[f"rms_norm.{cls}"] == "torch"
+        assert "relative error" in result.rejected[f"rms_norm.{cls}"]["wrong"]
+        assert "wrong" not in result.times_us[f"rms_norm.{cls}"]
+
+
+def test_parse_choices():
+    assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
+        "rms_norm.decode8": "triton",
+        "rms_norm.decode64": "triton",
+        "rms_norm.decode256": "triton",
+        "rms_norm.prefill": "triton",
+        "paged_attention.prefill": "sdpa",
+    }
+    assert parse_choices({"linear.prefill": "torch"}) == {"linear.prefill": "torch"}
+    assert parse_choices(None) == {} and parse_choices("") == {}
+    for bad, msg in [
+        ("gemm=torch", "unknown kernel op"),
+        ("rms_norm.mixed=torch", "classes"),
+        ("rms_norm=cutlass", "not a candidate"),
+        ("paged_attention.decode8=sdpa", "not a candidate"),  # cannot be captured
+        ("store_kv_cache.decode64=torch", "not a candidate"),  # padded slot -1
+        ("rms_norm", "op\\[.class\\]=candidate"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_choices(bad)
+
+
+def test_engine_config_validates_kernel_options():
+    with pytest.raises(ValueError, match="kernel_backend must be one of"):
+        EngineConfig(model="x", kernel_backend="cutlass")
+    with pytest.raises(ValueError, match="only applies to the tuned"):
+        EngineConfig(model="x", kernel_backend="torch", kernel_choices="rms_norm=torch")
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        EngineConfig(model="x", kernel_backend="tuned", kernel_choices="gemm=torch")
+    assert EngineConfig(model="x", device="cpu").kernel_backend_name == "torch"
+    assert EngineConfig(model="x", device="cuda:0").kernel_backend_name == "tuned"
+
+
+def test_attention_class(device):
+    def meta(q_lens, ctx):
+        return make_attention_batch(
+            q_lens,
+            ctx,
+            block_size=16,
+            num_q_heads=2,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype=torch.float32,
+            device=device,
+        )[3]
+
+    assert attention_class(meta([1, 1], [5, 9])) == "decode8"
+    assert attention_class(meta([1] * 9, [5] * 9)) == "decode64"
+    assert token_class(1) == token_class(8) == "decode8"
+    assert token_class(9) == token_class(64) == "decode64"
+    assert token_class(256) == "decode256" and token_class(257) == "prefill"
+    assert attention_class(meta([4, 7], [0, 3])) == "prefill"
+    assert attention_class(meta([4, 1], [0, 3])) == "mixed"
+    m = meta([4, 7], [0, 3])
+    m.cu_seqlens_q_cpu = None  # no host lengths: cannot prove it is prompt-only
+    assert attention_class(m) == "mixed"
+
+
+def test_get_backend_tuned_needs_shapes():
+    with pytest.raises(ValueError, match="needs the model shapes"):
+        get_backend("tuned")
