@@ -1,9 +1,18 @@
 """Decode throughput of the pdserve engine vs transformers' generate() on this CPU.
 
-Same model (default SmolLM2-135M), same dtype (fp32), greedy, fixed output length.
-Single request and N concurrent requests (transformers: one left-padded batch).
+Same model (default SmolLM2-135M), same dtype (fp32), greedy; output tokens per second.
 
-    .venv/bin/python benchmarks/engine_vs_transformers.py --concurrency 1 16
+    .venv/bin/python benchmarks/engine_vs_transformers.py --max-tokens 64
+
+Workloads (N concurrent requests, all submitted at once):
+- equal:  N copies of one prompt shape, each exactly --max-tokens new tokens: the best
+          case for a static batch.
+- varied: prompts of 10..~90 words and outputs of 16..--max-tokens tokens, as real
+          traffic has; only each request's own tokens count.
+transformers serves N requests two ways: "batched" (one left-padded generate() call that
+runs until the longest request is done) and "sequential" (one generate() per request,
+what generate() behind a server without a batcher does). pdserve runs them with
+continuous batching.
 """
 
 from __future__ import annotations
@@ -13,65 +22,97 @@ import time
 
 import torch
 
-PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+STORY = (
+    "Write a detailed story about a lighthouse keeper who finds a message in a bottle. "
+    "The keeper has lived alone on the rock for eleven winters, keeps a careful log of "
+    "every ship that passes, and talks to the gulls when the fog rolls in from the sea. "
+    "One morning after a storm a green bottle lies wedged between the rocks below the "
+    "lamp room, sealed with wax, and inside is a letter addressed to him by name"
+)
 
 
-def bench_pdserve(model_dir, n: int, max_tokens: int) -> float:
-    from services.engine import LLM, SamplingParams
+def workload(kind: str, n: int, max_tokens: int) -> tuple[list[str], list[int]]:
+    words = STORY.split()
+    if kind == "equal":
+        return [f"{i}: {STORY}" for i in range(n)], [max_tokens] * n
+    prompts = [f"{i}: " + " ".join(words[: 10 + (i * 37) % (len(words) - 10)]) for i in range(n)]
+    lows = 16 if max_tokens > 16 else 1
+    outs = [lows + (i * 29) % (max_tokens - lows + 1) for i in range(n)]
+    outs[0] = max_tokens  # the batch runs as long as its longest request
+    return prompts, outs
 
-    llm = LLM(str(model_dir))
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+
+def bench_pdserve(llm, prompts: list[str], out_lens: list[int]) -> float:
+    from services.engine import SamplingParams
+
     llm.engine.block_manager.reset_prefix_cache()
-    prompts = [f"{i}: {PROMPT}" for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    return sum(len(o.output.token_ids) for o in outs) / elapsed
+    assert [len(o.output.token_ids) for o in outs] == out_lens
+    return sum(out_lens) / elapsed
 
 
 @torch.inference_mode()
-def bench_transformers(model_dir, n: int, max_tokens: int) -> float:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def bench_transformers(model, tok, prompts: list[str], out_lens: list[int], mode: str) -> float:
+    def generate(texts, new_tokens):
+        batch = tok(texts, return_tensors="pt", padding=True)
+        model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            pad_token_id=tok.pad_token_id,
+        )
 
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [f"{i}: {PROMPT}" for i in range(n)]
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(
-        do_sample=False,
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        pad_token_id=tok.pad_token_id,
-    )
-    model.generate(
-        **tok(prompts[:1], return_tensors="pt"),
-        **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4},
-    )
     start = time.perf_counter()
-    out = model.generate(**batch, **kwargs)
-    elapsed = time.perf_counter() - start
-    return (out.shape[1] - batch["input_ids"].shape[1]) * n / elapsed
+    if mode == "batched":
+        generate(prompts, max(out_lens))  # shorter requests are cut from the result
+    else:
+        for p, m in zip(prompts, out_lens):
+            generate([p], m)
+    return sum(out_lens) / (time.perf_counter() - start)
 
 
 def main() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.engine import LLM, SamplingParams
     from services.models.default_model import default_model_dir
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--workloads", nargs="+", default=["equal", "varied"])
     args = parser.parse_args()
     model_dir = default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(str(model_dir))
+    # warm-up both (first calls allocate and pick kernels)
+    bench_transformers(model, tok, ["warm up"], [4], "batched")
+    llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
+
     print(f"torch threads: {torch.get_num_threads()}")
-    print("| concurrency | transformers tok/s | pdserve tok/s | speedup |")
-    print("|---|---|---|---|")
+    print(
+        "| requests | workload | transformers mode | transformers tok/s | pdserve tok/s | speedup |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in args.concurrency:
-        hf = bench_transformers(model_dir, n, args.max_tokens)
-        ours = bench_pdserve(model_dir, n, args.max_tokens)
-        print(f"| {n} | {hf:.1f} | {ours:.1f} | {ours / hf:.2f}x |", flush=True)
+        for kind in args.workloads if n > 1 else ["equal"]:
+            prompts, outs = workload(kind, n, args.max_tokens)
+            ours = bench_pdserve(llm, prompts, outs)
+            for mode in ("batched", "sequential") if n > 1 else ("batched",):
+                hf = bench_transformers(model, tok, prompts, outs, mode)
+                print(
+                    f"| {n} | {kind} | {mode if n > 1 else 'one call'} | {hf:.1f} | "
+                    f"{ours:.1f} | {ours / hf:.2f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -39,16 +39,9 @@ def profile_decode(engine, steps: int) -> dict:
     out = {}
     g = engine.runner.graph_runner
     if g is not None and 1 in g.graphs:
-        graph = g.graphs[1]
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        out["graph_replay_ms"] = start.elapsed_time(end) / steps
+        from services.kernels.tuner import replay_ms
+
+        out["graph_replay_ms"] = replay_ms(g.graphs[1], steps)
         print(f"  graph replay alone: {out['graph_replay_ms']:.3f} ms", flush=True)
     from torch.profiler import ProfilerActivity, profile
 

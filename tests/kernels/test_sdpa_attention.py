@@ -5,10 +5,11 @@ shuffled block tables over strided per-layer views of the block-major cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from services.kernels.interface import AttentionMetadata
 from services.kernels.sdpa_backend import SdpaBackend
 from tests.kernels.helpers import (
     DTYPES,
@@ -57,15 +58,7 @@ def test_sdpa_needs_host_lengths(device):
         dtype=torch.float32,
         device=device,
     )
-    graph_like = AttentionMetadata(
-        slot_mapping=meta.slot_mapping,
-        cu_seqlens_q=meta.cu_seqlens_q,
-        seq_lens=meta.seq_lens,
-        block_tables=meta.block_tables,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-        block_size=16,
-    )
+    graph_like = dataclasses.replace(meta, cu_seqlens_q_cpu=None, seq_lens_cpu=None)
     with pytest.raises(ValueError, match="host sequence lengths"):
         SdpaBackend().paged_attention(q, k_cache, v_cache, graph_like, 0.25)
 
