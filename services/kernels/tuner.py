@@ -36,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 2
+TUNER_VERSION = 3
 # Decode classes by token count (the largest captured decode batch is 256).
 DECODE_CLASSES = {"decode8": 8, "decode64": 64, "decode256": 256}
 _TOKEN_CLASSES = (*DECODE_CLASSES, "prefill")
@@ -54,6 +54,9 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     # own triton has no GEMM (it keeps cuBLAS); aiter's is gemm_a16w16
     "linear": ("torch", "aiter"),
     "paged_attention": ("torch", "triton", "aiter", "sdpa"),
+    # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
+    "silu_and_mul": ("torch", "triton"),
+    "store_kv_cache": ("torch", "triton"),
 }
 DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
 # Captured decode graphs pad the batch with rows whose slot is -1: the torch reference
@@ -173,10 +176,11 @@ class TuningResult:
         """Markdown: one row per op and class, every candidate's time, the choice."""
         names = sorted({c for t in self.times_us.values() for c in t} | _rejected_names(self))
         lines = [
-            "| op | class | " + " | ".join(names) + " | choice |",
-            "|---|---|" + "---:|" * len(names) + "---|",
+            "| op | class | " + " | ".join(names) + " | choice | vs torch |",
+            "|---|---|" + "---:|" * len(names) + "---|---:|",
         ]
-        for key in sorted(self.choices):
+        order = [f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs]
+        for key in sorted(self.choices, key=lambda k: order.index(k) if k in order else 0):
             op, cls = key.split(".")
             cells = []
             for n in names:
@@ -187,7 +191,12 @@ class TuningResult:
                     cells.append("rejected")
                 else:
                     cells.append("-")
-            lines.append(f"| {op} | {cls} | " + " | ".join(cells) + f" | {self.choices[key]} |")
+            times = self.times_us.get(key, {})
+            chosen, ref = times.get(self.choices[key]), times.get("torch")
+            speedup = f"{ref / chosen:.1f}x" if chosen and ref else "-"
+            lines.append(
+                f"| {op} | {cls} | " + " | ".join(cells) + f" | {self.choices[key]} | {speedup} |"
+            )
         return "\n".join(lines)
 
 

@@ -82,6 +82,7 @@ def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
     assert not fresh.from_cache and set(fresh.choices) == ALL_KEYS
     table = result.table()
     assert table.count("\n") == len(ALL_KEYS) + 1 and "| paged_attention | prefill |" in table
+    assert table.splitlines()[0].endswith("| choice | vs torch |")
 
 
 class _WrongNorm(TorchBackend):
