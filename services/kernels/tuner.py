@@ -298,10 +298,15 @@ def _cache_key(shapes: KernelShapes, sizes: TuningSizes, device_name: str, names
 
 
 def cache_file(device_name: str, cache_dir: Path | None = None) -> Path:
+    """<dir>/<gpu model>.json; dir: PDSERVE_KERNEL_TUNING_DIR, else PDSERVE_CACHE_DIR's
+    kernel_tuning/ (a container whose model cache is read-only points it elsewhere)."""
     from services.models.default_model import cache_root
 
+    if cache_dir is None:
+        env = os.environ.get("PDSERVE_KERNEL_TUNING_DIR")
+        cache_dir = Path(env) if env else cache_root() / "kernel_tuning"
     slug = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
-    return (cache_dir or cache_root() / "kernel_tuning") / f"{slug or 'device'}.json"
+    return cache_dir / f"{slug or 'device'}.json"
 
 
 def tune(

@@ -122,6 +122,11 @@ def test_common_wiring(shape):
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["PDSERVE_CACHE_DIR"]["value"] == "/var/cache/pdserve"
+        # the tuner's picks go to a writable mount (the root filesystem is read-only)
+        tuning = env["PDSERVE_KERNEL_TUNING_DIR"]["value"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert any(tuning.startswith(m + "/") for m in mounts), (tuning, mounts)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
             "grpc": port,
             "metrics": cli.metrics_port,

@@ -167,3 +167,22 @@ def test_attention_class(device):
 def test_get_backend_tuned_needs_shapes():
     with pytest.raises(ValueError, match="needs the model shapes"):
         get_backend("tuned")
+
+
+def test_cache_location_and_unwritable_cache(tmp_path, monkeypatch, caplog):
+    from services.kernels.tuner import cache_file
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.delenv("PDSERVE_KERNEL_TUNING_DIR", raising=False)
+    assert cache_file("NVIDIA H200") == tmp_path / "models" / "kernel_tuning" / "nvidia-h200.json"
+    monkeypatch.setenv("PDSERVE_KERNEL_TUNING_DIR", str(tmp_path / "tuning"))
+    assert cache_file("NVIDIA H200") == tmp_path / "tuning" / "nvidia-h200.json"
+    # a cache that cannot be written (here: its folder would be under a file) is skipped
+    # with a warning: the worker still starts with the measured choices
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_TUNING_DIR", str(blocker / "sub"))
+    cands = {"torch": TorchBackend()}
+    result = tune(SHAPES, "cpu", candidates=cands, sizes=TuningSizes.tiny())
+    assert set(result.choices) == ALL_KEYS and not result.from_cache
+    assert "could not save kernel tuning" in caplog.text

@@ -191,6 +191,10 @@ spec:
                   fieldPath: status.podIP
             - name: PDSERVE_CACHE_DIR
               value: {{ $v.model.cache.path | quote }}
+            # the kernel tuner's picks (GPU): writable even when the model cache is the
+            # image's read-only copy, so container restarts skip the measurement
+            - name: PDSERVE_KERNEL_TUNING_DIR
+              value: /home/pdserve/kernel_tuning
             - name: GLOG_minloglevel
               value: {{ $v.kvTransfer.logLevel | toString | quote }}
             - name: TOKENIZERS_PARALLELISM
