@@ -47,14 +47,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = _DTYPES[config.torch_dtype_name]
         torch.manual_seed(config.seed)
-        self.ops = get_backend(
-            config.kernel_backend_name,
-            shapes=KernelShapes.from_hf_config(
+        backend = config.kernel_backend_name
+        tuning = {}
+        if backend == "tuned":  # the tuner measures at this model's shapes
+            shapes = KernelShapes.from_hf_config(
                 hf_config, config.block_size, config.torch_dtype_name
-            ),
-            device=self.device,
-            choices=config.kernel_choices,
-        )
+            )
+            tuning = dict(shapes=shapes, device=self.device, choices=config.kernel_choices)
+        self.ops = get_backend(backend, **tuning)
         self.model = load_model(
             hf_config,
             model_path,
