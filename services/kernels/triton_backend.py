@@ -11,6 +11,7 @@ import torch
 
 from services.kernels import triton as tk
 from services.kernels.interface import AttentionMetadata
+from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
 
 
 class TritonBackend:
@@ -21,8 +22,16 @@ class TritonBackend:
         self.attn_num_splits = attn_num_splits
 
     def linear(self, x, layer):
-        # cuBLAS beats Triton GEMMs on the H200 (DESIGN.md): keep torch's
-        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        # cuBLAS beats Triton GEMMs on the H200 (DESIGN.md), but its GEMV for a few
+        # rows streams the weight well below peak bandwidth: decode-sized batches take
+        # our own GEMV, larger ones stay on cuBLAS.
+        weight, k = layer.weight, x.shape[-1]
+        rows = x.numel() // k if k else 0
+        same_dtype = x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
+        if 0 < rows <= GEMV_MAX_ROWS and same_dtype and weight.is_contiguous():
+            out = tk.gemv(x.reshape(rows, k), weight, layer.bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        return torch.nn.functional.linear(x, weight, layer.bias)
 
     def rms_norm(self, x, weight, eps):
         return tk.rms_norm(x, weight, eps)

@@ -9,8 +9,8 @@ only the first start on a machine pays for the measurement (~50 s on an H200, mo
 Triton compiling every candidate);
 `pdserve tune-kernels` re-measures offline and prints the table.
 
-Shape classes: by the step's token count, "decode8", "decode64", "decode256" (decode-
-sized batches up to that many tokens, which run as CUDA-graph replays; the gap between
+Shape classes: by the step's token count, "decode1", "decode8", "decode64", "decode256"
+(decode-sized batches up to that many tokens, which run as CUDA-graph replays; the gap between
 candidates changes with batch size, e.g. AITER's paged attention is within 5% of ours
 at 2 sequences and 40% slower at 128)
 and "prefill" (larger, eager). Attention splits decode batches the same way (one query
@@ -39,9 +39,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 3
+TUNER_VERSION = 4  # 4: decode1 class; own triton's GEMV joins linear.decode1 / decode8
 # Decode classes by token count (the largest captured decode batch is 256).
-DECODE_CLASSES = {"decode8": 8, "decode64": 64, "decode256": 256}
+# One sequence is its own class: the latency case, where a GEMV beats cuBLAS most.
+DECODE_CLASSES = {"decode1": 1, "decode8": 8, "decode64": 64, "decode256": 256}
 _TOKEN_CLASSES = (*DECODE_CLASSES, "prefill")
 
 OP_CLASSES: dict[str, tuple[str, ...]] = {
@@ -54,14 +55,17 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "paged_attention": (*DECODE_CLASSES, "prefill", "mixed"),
 }
 CANDIDATES: dict[str, tuple[str, ...]] = {
-    # own triton has no GEMM (it keeps cuBLAS); aiter's is gemm_a16w16
-    "linear": ("torch", "aiter"),
+    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
+    "linear": ("torch", "triton", "aiter"),
     "paged_attention": ("torch", "triton", "aiter", "sdpa"),
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
     "silu_and_mul": ("torch", "triton"),
     "store_kv_cache": ("torch", "triton"),
 }
 DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
+# Candidates that are timed only for some classes of an op: own triton's linear runs
+# its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
+ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}
 # Captured decode graphs pad the batch with rows whose slot is -1: the torch reference
 # would write those into the last cache slot, and sdpa needs host lengths.
 NOT_GRAPH_SAFE = {"store_kv_cache": {"torch"}, "paged_attention": {"torch", "sdpa"}}
@@ -72,6 +76,8 @@ REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 def candidates_for(op: str, cls: str) -> tuple[str, ...]:
     names = CANDIDATES.get(op, DEFAULT_CANDIDATES)
+    only = ONLY_FOR.get(op, {})
+    names = tuple(n for n in names if cls in only.get(n, (cls,)))
     if cls in GRAPH_CLASSES:
         names = tuple(n for n in names if n not in NOT_GRAPH_SAFE.get(op, ()))
     return names
@@ -148,7 +154,7 @@ class KernelShapes:
 class TuningSizes:
     """Token counts and contexts of the representative inputs per class."""
 
-    decode_tokens: tuple[int, int, int] = (2, 24, 128)  # one per decode class
+    decode_tokens: tuple[int, ...] = (1, 4, 24, 128)  # one per decode class
     prefill_tokens: int = 2048
     decode_ctx: int = 1024
     prefill_seqs: int = 4
@@ -158,7 +164,7 @@ class TuningSizes:
     @classmethod
     def tiny(cls) -> TuningSizes:
         """For CPU tests (Triton's interpreter is slow)."""
-        return cls((1, 3, 5), 40, 40, 2, 20, 20)
+        return cls((1, 2, 3, 5), 40, 40, 2, 20, 20)
 
     def tokens(self, cls: str) -> int:
         if cls in DECODE_CLASSES:

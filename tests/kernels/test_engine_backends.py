@@ -74,7 +74,8 @@ def test_engine_greedy_tokens_match_torch_backend(
 # Every op from a different candidate than its neighbours, sdpa for prompt and mixed
 # attention: dispatch by class must keep the tokens exact.
 MIXED_CHOICES = (
-    "linear=torch,rms_norm=triton,fused_add_rms_norm.decode8=triton,"
+    "linear=torch,linear.decode1=triton,rms_norm=triton,fused_add_rms_norm.decode1=torch,"
+    "fused_add_rms_norm.decode8=triton,paged_attention.decode1=aiter,"
     "fused_add_rms_norm.decode64=torch,fused_add_rms_norm.decode256=triton,"
     "fused_add_rms_norm.prefill=torch,rotary_embedding=triton,silu_and_mul=torch,"
     "silu_and_mul.prefill=triton,store_kv_cache=triton,paged_attention.decode8=triton,"

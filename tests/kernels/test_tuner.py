@@ -21,6 +21,7 @@ from services.kernels.tuner import (  # noqa: E402
     KernelShapes,
     TuningSizes,
     attention_class,
+    candidates_for,
     load_candidates,
     parse_choices,
     token_class,
@@ -69,6 +70,8 @@ def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
             assert choice not in NOT_GRAPH_SAFE.get(op, ()), key
             assert not set(times) & NOT_GRAPH_SAFE.get(op, set()), key
     assert "sdpa" in result.times_us["paged_attention.prefill"]
+    assert "triton" in result.times_us["linear.decode8"]  # own GEMV
+    assert "triton" not in result.times_us["linear.prefill"]
     assert result.rejected == {}, result.rejected
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and result.device_name.lower().split()[0] in files[0].name
@@ -108,6 +111,7 @@ def test_a_candidate_with_wrong_output_is_rejected(tmp_path, monkeypatch):
 
 def test_parse_choices():
     assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
+        "rms_norm.decode1": "triton",
         "rms_norm.decode8": "triton",
         "rms_norm.decode64": "triton",
         "rms_norm.decode256": "triton",
@@ -126,6 +130,18 @@ def test_parse_choices():
     ]:
         with pytest.raises(ValueError, match=msg):
             parse_choices(bad)
+
+
+def test_own_triton_linear_is_a_candidate_up_to_decode8_only():
+    # its GEMV covers up to 8 rows; above that it is cuBLAS, i.e. torch again
+    assert "triton" in candidates_for("linear", "decode1")
+    assert "triton" in candidates_for("linear", "decode8")
+    for cls in ("decode64", "decode256", "prefill"):
+        assert "triton" not in candidates_for("linear", cls)
+        assert "torch" in candidates_for("linear", cls)
+    assert parse_choices("linear.decode8=triton") == {"linear.decode8": "triton"}
+    with pytest.raises(ValueError, match="not a candidate for linear.prefill"):
+        parse_choices("linear.prefill=triton")
 
 
 def test_engine_config_validates_kernel_options():
@@ -152,9 +168,11 @@ def test_attention_class(device):
             device=device,
         )[3]
 
+    assert attention_class(meta([1], [5])) == "decode1"
     assert attention_class(meta([1, 1], [5, 9])) == "decode8"
     assert attention_class(meta([1] * 9, [5] * 9)) == "decode64"
-    assert token_class(1) == token_class(8) == "decode8"
+    assert token_class(1) == "decode1"
+    assert token_class(2) == token_class(8) == "decode8"
     assert token_class(9) == token_class(64) == "decode64"
     assert token_class(256) == "decode256" and token_class(257) == "prefill"
     assert attention_class(meta([4, 7], [0, 3])) == "prefill"

@@ -1,6 +1,7 @@
 """pdserve's own Triton kernels (NVIDIA and AMD): paged attention over mixed decode /
-chunked-prefill batches, KV-cache write, (fused residual-add +) RMSNorm, neox RoPE and
-SiLU-and-mul. Each takes strides, so strided views (fused qkv slices, the per-layer
+chunked-prefill batches, KV-cache write, (fused residual-add +) RMSNorm, neox RoPE,
+SiLU-and-mul, and a GEMV for decode-sized linears (<= 8 rows; larger GEMMs stay on
+cuBLAS). Each takes strides, so strided views (fused qkv slices, the per-layer
 views of the block-major KV cache) need no copies.
 
 Set TRITON_INTERPRET=1 before importing triton to run them on a CPU (slow; tests)."""
@@ -8,12 +9,14 @@ Set TRITON_INTERPRET=1 before importing triton to run them on a CPU (slow; tests
 from services.kernels.triton.activation import silu_and_mul
 from services.kernels.triton.attention import attention_config, paged_attention
 from services.kernels.triton.cache import store_kv_cache
+from services.kernels.triton.gemv import gemv
 from services.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from services.kernels.triton.rope import rotary_embedding
 
 __all__ = [
     "attention_config",
     "fused_add_rms_norm",
+    "gemv",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
