@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--kernel-choices", default=None, help="tuned backend overrides")
     ap.add_argument(
+        "--no-async-scheduling", action="store_true", help="read each step's tokens first"
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="at batch 1: time the decode graph replay alone and list the top kernels",
@@ -95,6 +98,7 @@ def main() -> None:
         max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(8192, args.prefill_len),
         enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
     engine = llm.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -104,6 +108,7 @@ def main() -> None:
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_GB": weight_bytes / 1e9,
         "kernel_backend": args.kernel_backend,
+        "async_scheduling": engine.config.async_scheduling_enabled,
         "decode": [],
         "prefill": None,
     }

@@ -36,6 +36,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "'paged_attention.prefill=sdpa,rms_norm=triton' (op[.class]=candidate,...)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="GPU: wait for each decode step's tokens before launching the next "
+        "(by default greedy decode steps are launched one step ahead)",
+    )
 
 
 def engine_config_from_args(args, role: str):
@@ -57,6 +63,7 @@ def engine_config_from_args(args, role: str):
         kernel_backend=args.kernel_backend,
         kernel_choices=args.kernel_choices,
         enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
 
 

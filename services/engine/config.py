@@ -30,6 +30,9 @@ class EngineConfig:
     # CUDA graphs for decode steps (GPU, triton/aiter kernels); True: always eager
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # Schedule and launch decode step N+1 while step N runs, feeding it N's tokens on
+    # the device (greedy batches). None: on for CUDA, off on CPU, where nothing overlaps.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -77,6 +80,12 @@ class EngineConfig:
         except ImportError:
             return "torch"
         return "tuned"
+
+    @property
+    def async_scheduling_enabled(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
 
     @property
     def torch_dtype_name(self) -> str:

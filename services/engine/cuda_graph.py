@@ -50,12 +50,14 @@ class CUDAGraphRunner:
         i32 = dict(dtype=torch.int32, device=device)
         # Inputs live in a few packed buffers, staged through pinned host copies that
         # are reused every step: three host-to-device copies per replay, no allocation.
-        self._dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._dev_i64.unbind(0)
+        # rows: input ids, positions, slots, and which earlier device token feeds a row
+        self._dev_i64 = torch.zeros(4, n, dtype=torch.int64, device=device)
+        rows = self._dev_i64.unbind(0)
+        self.input_ids, self.positions, self.slot_mapping, self._source_rows = rows
         self.seq_lens = torch.ones(n, **i32)
         self.block_tables = torch.zeros(n, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(n + 1, **i32)
-        self._host_i64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self._host_i64 = torch.zeros(4, n, dtype=torch.int64).pin_memory()
         self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
         self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
         self._staged = torch.cuda.Event()  # the last copies out of the host buffers
@@ -99,14 +101,21 @@ class CUDAGraphRunner:
         return num_seqs <= self.sizes[-1] and max_seq_len <= self.max_model_len
 
     @torch.inference_mode()
-    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
+    def run(
+        self, input_ids, positions, slot_mapping, seq_lens, block_tables, device_input=None
+    ) -> torch.Tensor:
         """Inputs are host lists for the real rows (block_tables: one list per row);
-        returns their logits."""
-        n = len(input_ids)
+        returns their logits. device_input = (tokens, rows) replaces input_ids with
+        tokens[rows], a device tensor indexed by a host list: tokens sampled by a
+        step whose results have not reached the host yet."""
+        n = len(positions)
         bs = next(s for s in self.sizes if s >= n)
         self._staged.synchronize()  # the previous step's copies have left the buffers
         host = self._host_i64.numpy()
-        host[0, :n] = input_ids
+        if device_input is None:
+            host[0, :n] = input_ids
+        else:
+            host[3, :n] = device_input[1]
         host[1, :n] = positions
         host[2, :n] = slot_mapping
         host[2, n:bs] = -1  # padding rows write nowhere...
@@ -120,5 +129,7 @@ class CUDAGraphRunner:
         self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(self._host_tables[:bs], non_blocking=True)
         self._staged.record()
+        if device_input is not None:  # ordered after the staged copy, before the replay
+            torch.index_select(device_input[0], 0, self._source_rows[:n], out=self.input_ids[:n])
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -21,7 +21,7 @@ from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import CompletionOutput, RequestOutput
-from services.engine.sampler import SamplerOutput, SamplingRequest
+from services.engine.sampler import DeviceTokens, SamplerOutput, SamplingRequest, plain_greedy
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
@@ -38,6 +38,17 @@ class NoFreeBlocksError(RuntimeError):
 class KVReservation:
     block_ids: list[int]
     num_cached_tokens: int  # prompt tokens already cached here: their blocks need no KV
+
+
+@dataclass
+class _StepInFlight:
+    """A greedy decode step launched on the device whose tokens are not read yet."""
+
+    seqs: list[Sequence]
+    tokens: DeviceTokens
+
+    def __post_init__(self):
+        self.rows = {id(seq): i for i, seq in enumerate(self.seqs)}
 
 
 @dataclass
@@ -82,6 +93,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
+        # async scheduling: prefill workers never decode, so they never pipeline
+        self._async = config.async_scheduling_enabled and config.role != "prefill"
+        self._in_flight: _StepInFlight | None = None
 
     # -- requests -----------------------------------------------------------------------
 
@@ -139,13 +153,13 @@ class LLMEngine:
             return False
         seq = req.seq
         self.scheduler.remove(seq)
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         req = self.requests.get(request_id)
@@ -154,9 +168,21 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
+        """Run one step; returns the outputs it produced. With async scheduling a
+        greedy decode step returns the previous step's tokens, after launching the
+        next one (whose tokens the following call returns)."""
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return []
+            if not self._pipelines(sched.scheduled):
+                return self._step_sync(sched)
+            done = self._launch([item.seq for item in sched.scheduled])
+        self._in_flight = self._launch_next(done)
+        return self._read_tokens(done)
+
+    def _step_sync(self, sched) -> list[RequestOutput]:
         to_sample = [s for s in sched.scheduled if s.completes_prefill]
         sampling = [self._sampling_request(s.seq) for s in to_sample]
         result = self.runner.execute(sched.scheduled, sampling)
@@ -164,6 +190,69 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq, item.seq.num_computed_tokens)
         return self._process_samples(to_sample, result) if result else []
+
+    # -- async scheduling ---------------------------------------------------------------
+
+    def _pipelines(self, items: list[ScheduledSeq]) -> bool:
+        """A batch of one new token per sequence, all sampled greedily with nothing to
+        report but the token: the next step can start before the host sees it."""
+        return self._async and all(
+            item.num_new_tokens == 1 and item.completes_prefill and self._greedy(item.seq, 0)
+            for item in items
+        )
+
+    def _greedy(self, seq: Sequence, pending: int) -> bool:
+        stop_ids = self.requests[seq.seq_id].stop_token_ids
+        return plain_greedy(seq.params, seq.num_output_tokens + pending, bool(stop_ids))
+
+    def _launch(self, seqs: list[Sequence], prev: _StepInFlight | None = None) -> _StepInFlight:
+        if prev is None:
+            tokens = self.runner.decode_greedy(seqs)
+        else:
+            rows = [prev.rows[id(seq)] for seq in seqs]
+            tokens = self.runner.decode_greedy(seqs, prev.tokens.tokens, rows)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            # blocks whose tokens are all known; the in-flight token joins on reading
+            self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
+        return _StepInFlight(seqs, tokens)
+
+    def _launch_next(self, done: _StepInFlight) -> _StepInFlight | None:
+        """Launch the step after `done` before reading its tokens, for the sequences
+        that go on whatever they are; None if the batch must change first."""
+        if not all(self._greedy(seq, 1) for seq in self.scheduler.running):
+            return None
+
+        def goes_on(seq: Sequence) -> bool:  # False: surely stops on the token in flight
+            n_out = seq.num_output_tokens + 1
+            if seq.params.max_tokens is not None and n_out >= seq.params.max_tokens:
+                return False
+            return seq.num_tokens + 1 < self.max_model_len
+
+        seqs = self.scheduler.schedule_next_decode(done.seqs, goes_on)
+        return self._launch(seqs, done) if seqs else None
+
+    def _read_tokens(self, done: _StepInFlight) -> list[RequestOutput]:
+        outputs = []
+        for seq, token in zip(done.seqs, done.tokens.tolist()):
+            req = self.requests.get(seq.seq_id)
+            if req is None or req.seq is not seq:
+                continue  # aborted while its step ran
+            out = self._append_and_check(seq, token, None)
+            if not out.finished:
+                self.block_manager.cache_full_blocks(
+                    seq, min(seq.num_computed_tokens, seq.num_tokens)
+                )
+            outputs.append(out)
+        return outputs
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        # A step in flight may still write seq's KV: let it finish before the blocks
+        # can go to another request (a remote prefill writes them outside the stream).
+        step = self._in_flight
+        if step is not None and id(seq) in step.rows:
+            step.tokens.wait()
+        self.block_manager.free(seq)
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         req = self.requests[seq.seq_id]
@@ -226,7 +315,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _make_output(self, seq: Sequence, finished: bool, detok=None) -> RequestOutput:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
-from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
+from services.engine.sampler import DeviceTokens, Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import ScheduledSeq
 from services.kernels import AttentionMetadata, get_backend
 from services.kernels.tuner import KernelShapes
@@ -145,17 +145,49 @@ class ModelRunner:
         return g.can_run(len(batch), max(item.seq.num_computed_tokens + 1 for item in batch))
 
     def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        seqs = [item.seq for item in batch]
+        ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+        return self.graph_runner.run(ids, *self._decode_rows(seqs))
+
+    def _decode_rows(self, seqs):
+        """Positions, slots, lengths and block tables of one new token per sequence,
+        at position num_computed_tokens (its block is already allocated)."""
         bs = self.config.block_size
-        ids, pos, slots, lens, tables = [], [], [], [], []
-        for item in batch:
-            seq = item.seq
+        pos, slots, lens, tables = [], [], [], []
+        for seq in seqs:
             p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
             tables.append(seq.block_table)
-        return self.graph_runner.run(ids, pos, slots, lens, tables)
+        return pos, slots, lens, tables
+
+    @torch.inference_mode()
+    def decode_greedy(
+        self, seqs: list, prev_tokens: torch.Tensor | None = None, prev_rows=None
+    ) -> DeviceTokens:
+        """One decode step of greedy sequences, returned without waiting for it. Each
+        sequence computes the token at its position num_computed_tokens; its input id
+        is that token, or with prev_tokens, prev_tokens[prev_rows[i]]: the previous
+        step's samples, still on the device."""
+        with _on_device(self.device):
+            ids = None
+            if prev_tokens is None:
+                ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+            pos, slots, lens, tables = self._decode_rows(seqs)
+            g = self.graph_runner
+            if g is not None and g.can_run(len(seqs), max(lens)):
+                device_input = None if prev_tokens is None else (prev_tokens, prev_rows)
+                return DeviceTokens(g.run(ids, pos, slots, lens, tables, device_input))
+            meta = self._metadata(slots, list(range(len(seqs) + 1)), lens, tables)
+            if prev_tokens is None:
+                input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            else:
+                input_ids = prev_tokens[torch.tensor(prev_rows, device=self.device)]
+            positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
+            self.ops.prepare_attention(meta)
+            hidden = self.model(input_ids, positions, meta)
+            return DeviceTokens(self.model.compute_logits(hidden))
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.config.block_size
@@ -176,26 +208,26 @@ class ModelRunner:
             seq_lens.append(end)
             if item.completes_prefill:
                 logits_rows.append(cu_seqlens[-1] - 1)
-        max_blocks = max(len(item.seq.block_table) for item in batch)
-        tables = [
-            item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in batch
-        ]
+        meta = self._metadata(slots, cu_seqlens, seq_lens, [item.seq.block_table for item in batch])
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return ids, pos, meta, logits_rows
 
+    def _metadata(self, slots, cu_seqlens, seq_lens, block_tables) -> AttentionMetadata:
         dev = self.device
-        meta = AttentionMetadata(
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(item.num_new_tokens for item in batch),
+            max_query_len=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])),
             max_seq_len=max(seq_lens),
-            block_size=bs,
+            block_size=self.config.block_size,
             cu_seqlens_q_cpu=cu_seqlens,
             seq_lens_cpu=seq_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logits_rows
 
 
 def _on_device(device: torch.device):

@@ -30,6 +30,31 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
+class DeviceTokens:
+    """Greedy tokens of a step, left on the device so the next step can read them as
+    its input ids before they reach the host; tolist() waits for the host copy."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.tokens = logits.argmax(dim=-1)
+        self._ready = None
+        if self.tokens.is_cuda:
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = self.tokens
+
+    def wait(self) -> None:
+        """Until the step that made these tokens has finished on the device."""
+        if self._ready is not None:
+            self._ready.synchronize()
+
+    def tolist(self) -> list[int]:
+        self.wait()
+        return self._host.tolist()
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         if all(_plain_greedy(r) for r in requests):
@@ -79,12 +104,16 @@ class Sampler:
 
 
 def _plain_greedy(r: SamplingRequest) -> bool:
-    p = r.params
+    return plain_greedy(r.params, len(r.output_token_ids), bool(r.stop_token_ids))
+
+
+def plain_greedy(p: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
+    """The next token is the argmax of the raw logits: nothing to mask or report."""
     return (
         p.greedy
         and p.logprobs is None
         and not p.has_penalties
-        and not (len(r.output_token_ids) < p.min_tokens and r.stop_token_ids)
+        and not (num_output_tokens < p.min_tokens and has_stop_ids)
     )
 
 

@@ -111,6 +111,25 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def schedule_next_decode(self, in_flight: list[Sequence], keep) -> list[Sequence] | None:
+        """Async scheduling: the decode step after the one in flight, scheduled before
+        its sampled tokens reach the host. Runs the running sequences for which
+        keep(seq) holds, each with a slot for one more token; None when the batch has
+        to change first (a sequence waiting or newly admitted, too many rows, no free
+        block), and the caller then finishes the step in flight and calls schedule()."""
+        if self.waiting:
+            return None
+        members = {id(seq) for seq in in_flight}
+        if any(id(seq) not in members for seq in self.running):
+            return None
+        seqs = [seq for seq in self.running if keep(seq)]
+        if not seqs or len(seqs) > self.max_num_batched_tokens:
+            return None
+        for seq in seqs:
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
+                return None  # blocks taken so far serve these sequences' next steps
+        return seqs
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

@@ -1,6 +1,6 @@
 """Acceptance 2 + 3: the same greedy tokens whatever the memory layout and batching
-(prefix caching on/off, chunked-prefill budgets, block sizes, one request at a time,
-preemption under a tiny KV pool), and every block is free again afterwards."""
+(prefix caching on/off, chunked-prefill budgets, block sizes, async scheduling, one
+request at a time, preemption under a tiny KV pool), and every block is free again afterwards."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ VARIANTS = {
     "block_size_1": dict(block_size=1, max_num_batched_tokens=512),
     "block_size_32": dict(block_size=32),
     "max_num_seqs_3": dict(max_num_seqs=3),
+    "async_scheduling": dict(async_scheduling=True),
+    "async_max_num_seqs_3": dict(async_scheduling=True, max_num_seqs=3),
 }
 
 
