@@ -161,6 +161,12 @@ class TuningSizes:
     prefill_len: int = 512
     mixed_chunk: int = 512
 
+    def __post_init__(self):
+        if len(self.decode_tokens) != len(DECODE_CLASSES):
+            raise ValueError(
+                f"decode_tokens needs one token count per decode class {list(DECODE_CLASSES)}"
+            )
+
     @classmethod
     def tiny(cls) -> TuningSizes:
         """For CPU tests (Triton's interpreter is slow)."""

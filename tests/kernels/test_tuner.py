@@ -109,6 +109,11 @@ def test_a_candidate_with_wrong_output_is_rejected(tmp_path, monkeypatch):
         assert "wrong" not in result.times_us[f"rms_norm.{cls}"]
 
 
+def test_tuning_sizes_need_one_count_per_decode_class():
+    with pytest.raises(ValueError, match="one token count per decode class"):
+        TuningSizes(decode_tokens=(2, 24, 128))
+
+
 def test_parse_choices():
     assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
         "rms_norm.decode1": "triton",
