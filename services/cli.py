@@ -40,7 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-async-scheduling",
         action="store_true",
         help="GPU: wait for each decode step's tokens before launching the next "
-        "(by default greedy decode steps are launched one step ahead)",
+        "(by default decode steps are launched one step ahead unless a request needs "
+        "logprobs, penalties or min_tokens masking)",
     )
 
 

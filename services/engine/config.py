@@ -31,7 +31,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     # Schedule and launch decode step N+1 while step N runs, feeding it N's tokens on
-    # the device (greedy batches). None: on for CUDA, off on CPU, where nothing overlaps.
+    # the device (batches without logprobs, penalties or min_tokens masking). None: on
+    # for CUDA, off on CPU, where nothing overlaps.
     async_scheduling: bool | None = None
 
     def __post_init__(self):

@@ -21,7 +21,12 @@ from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import CompletionOutput, RequestOutput
-from services.engine.sampler import DeviceTokens, SamplerOutput, SamplingRequest, plain_greedy
+from services.engine.sampler import (
+    DeviceTokens,
+    SamplerOutput,
+    SamplingRequest,
+    samples_on_device,
+)
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
@@ -42,7 +47,7 @@ class KVReservation:
 
 @dataclass
 class _StepInFlight:
-    """A greedy decode step launched on the device whose tokens are not read yet."""
+    """A decode step launched on the device whose sampled tokens are not read yet."""
 
     seqs: list[Sequence]
     tokens: DeviceTokens
@@ -169,8 +174,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs it produced. With async scheduling a
-        greedy decode step returns the previous step's tokens, after launching the
-        next one (whose tokens the following call returns)."""
+        decode step sampled on the device returns the previous step's tokens, after
+        launching the next one (whose tokens the following call returns)."""
         done, self._in_flight = self._in_flight, None
         if done is None:
             sched = self.scheduler.schedule()
@@ -194,23 +199,27 @@ class LLMEngine:
     # -- async scheduling ---------------------------------------------------------------
 
     def _pipelines(self, items: list[ScheduledSeq]) -> bool:
-        """A batch of one new token per sequence, all sampled greedily with nothing to
-        report but the token: the next step can start before the host sees it."""
+        """A batch of one new token per sequence, each sampled on the device with
+        nothing to report but the token: the next step can start before the host
+        sees it."""
         return self._async and all(
-            item.num_new_tokens == 1 and item.completes_prefill and self._greedy(item.seq, 0)
+            item.num_new_tokens == 1
+            and item.completes_prefill
+            and self._sampled_on_device(item.seq, 0)
             for item in items
         )
 
-    def _greedy(self, seq: Sequence, pending: int) -> bool:
+    def _sampled_on_device(self, seq: Sequence, pending: int) -> bool:
         stop_ids = self.requests[seq.seq_id].stop_token_ids
-        return plain_greedy(seq.params, seq.num_output_tokens + pending, bool(stop_ids))
+        return samples_on_device(seq.params, seq.num_output_tokens + pending, bool(stop_ids))
 
     def _launch(self, seqs: list[Sequence], prev: _StepInFlight | None = None) -> _StepInFlight:
+        sampling = [self._sampling_request(seq) for seq in seqs]
         if prev is None:
-            tokens = self.runner.decode_greedy(seqs)
+            tokens = self.runner.decode_on_device(seqs, sampling)
         else:
             rows = [prev.rows[id(seq)] for seq in seqs]
-            tokens = self.runner.decode_greedy(seqs, prev.tokens.tokens, rows)
+            tokens = self.runner.decode_on_device(seqs, sampling, prev.tokens.tokens, rows)
         for seq in seqs:
             seq.num_computed_tokens += 1
             # blocks whose tokens are all known; the in-flight token joins on reading
@@ -220,7 +229,7 @@ class LLMEngine:
     def _launch_next(self, done: _StepInFlight) -> _StepInFlight | None:
         """Launch the step after `done` before reading its tokens, for the sequences
         that go on whatever they are; None if the batch must change first."""
-        if not all(self._greedy(seq, 1) for seq in self.scheduler.running):
+        if not all(self._sampled_on_device(seq, 1) for seq in self.scheduler.running):
             return None
 
         def goes_on(seq: Sequence) -> bool:  # False: surely stops on the token in flight

@@ -163,13 +163,18 @@ class ModelRunner:
         return pos, slots, lens, tables
 
     @torch.inference_mode()
-    def decode_greedy(
-        self, seqs: list, prev_tokens: torch.Tensor | None = None, prev_rows=None
+    def decode_on_device(
+        self,
+        seqs: list,
+        sampling: list[SamplingRequest],
+        prev_tokens: torch.Tensor | None = None,
+        prev_rows=None,
     ) -> DeviceTokens:
-        """One decode step of greedy sequences, returned without waiting for it. Each
-        sequence computes the token at its position num_computed_tokens; its input id
-        is that token, or with prev_tokens, prev_tokens[prev_rows[i]]: the previous
-        step's samples, still on the device."""
+        """One decode step whose sampled tokens stay on the device, returned without
+        waiting for it (sampling: one request per sequence, sampled by Sampler.sample
+        alone). Each sequence computes the token at its position num_computed_tokens;
+        its input id is that token, or with prev_tokens, prev_tokens[prev_rows[i]]:
+        the previous step's samples, not on the host yet."""
         with _on_device(self.device):
             ids = None
             if prev_tokens is None:
@@ -178,7 +183,8 @@ class ModelRunner:
             g = self.graph_runner
             if g is not None and g.can_run(len(seqs), max(lens)):
                 device_input = None if prev_tokens is None else (prev_tokens, prev_rows)
-                return DeviceTokens(g.run(ids, pos, slots, lens, tables, device_input))
+                logits = g.run(ids, pos, slots, lens, tables, device_input)
+                return DeviceTokens(self.sampler.sample(logits, sampling))
             meta = self._metadata(slots, list(range(len(seqs) + 1)), lens, tables)
             if prev_tokens is None:
                 input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -187,7 +193,8 @@ class ModelRunner:
             positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
             self.ops.prepare_attention(meta)
             hidden = self.model(input_ids, positions, meta)
-            return DeviceTokens(self.model.compute_logits(hidden))
+            logits = self.model.compute_logits(hidden)
+            return DeviceTokens(self.sampler.sample(logits, sampling))
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.config.block_size

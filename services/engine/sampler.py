@@ -31,11 +31,11 @@ class SamplerOutput:
 
 
 class DeviceTokens:
-    """Greedy tokens of a step, left on the device so the next step can read them as
+    """Sampled tokens of a step, left on the device so the next step can read them as
     its input ids before they reach the host; tolist() waits for the host copy."""
 
-    def __init__(self, logits: torch.Tensor):
-        self.tokens = logits.argmax(dim=-1)
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
         self._ready = None
         if self.tokens.is_cuda:
             self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
@@ -72,7 +72,7 @@ class Sampler:
             if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids:
                 logits[i, r.stop_token_ids] = float("-inf")
 
-        token_ids = self._sample(logits, requests)
+        token_ids = self.sample(logits, requests).tolist()
         logprobs = [None] * len(requests)
         if raw_logprobs is not None:
             for i, r in enumerate(requests):
@@ -80,14 +80,16 @@ class Sampler:
                     logprobs[i] = _logprobs_entry(raw_logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = list(greedy)
+    def sample(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+        """Next token per row as a device tensor, without a host sync: the argmax for
+        greedy rows, a draw from the shaped distribution for the others. Penalties and
+        min_tokens masking are the caller's (__call__ applies them first)."""
+        tokens = logits.argmax(dim=-1)
         for i, r in enumerate(requests):
             p = r.params
             if p.greedy:
                 continue
-            row = logits[i] / p.temperature
+            row = logits[i].float() / p.temperature
             if p.top_k > 0 and p.top_k < row.shape[0]:
                 kth = torch.topk(row, p.top_k).values[-1]
                 row = row.masked_fill(row < kth, float("-inf"))
@@ -99,19 +101,21 @@ class Sampler:
             # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, and a
             # per-request generator makes the draw reproducible.
             noise = torch.empty_like(probs).exponential_(generator=r.generator)
-            out[i] = int((probs / noise).argmax())
-        return out
+            tokens[i] = (probs / noise).argmax()
+        return tokens
 
 
 def _plain_greedy(r: SamplingRequest) -> bool:
-    return plain_greedy(r.params, len(r.output_token_ids), bool(r.stop_token_ids))
+    return r.params.greedy and samples_on_device(
+        r.params, len(r.output_token_ids), bool(r.stop_token_ids)
+    )
 
 
-def plain_greedy(p: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
-    """The next token is the argmax of the raw logits: nothing to mask or report."""
+def samples_on_device(p: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
+    """Sampler.sample alone gives the next token: no logprobs to report, no penalties
+    or min_tokens masking (they read the host's token lists)."""
     return (
-        p.greedy
-        and p.logprobs is None
+        p.logprobs is None
         and not p.has_penalties
         and not (num_output_tokens < p.min_tokens and has_stop_ids)
     )
@@ -122,7 +126,7 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     cumulative = sorted_probs.cumsum(0)
     # keep the smallest prefix whose mass reaches top_p (always at least one token)
     drop = cumulative - sorted_probs >= top_p
-    sorted_probs[drop] = 0.0
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)  # not boolean indexing: no sync
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
 
 

@@ -28,9 +28,10 @@ def _params(engine: LLMEngine) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=30, stop=["the"]),
         SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[comma]),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=6),  # masks EOS: not plain
-        SamplingParams(temperature=0.9, max_tokens=15, seed=5),  # sampled: not greedy
+        SamplingParams(temperature=0.9, max_tokens=15, seed=5),
         SamplingParams(temperature=0, max_tokens=3),
-        SamplingParams(temperature=0, max_tokens=18, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=18, logprobs=2),  # logprobs: on the host
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, max_tokens=22, seed=9),
     ]
 
 
@@ -39,8 +40,10 @@ def _run_script(engine: LLMEngine) -> tuple[dict, int]:
     final output per request and how many steps left a next step in flight."""
     params = _params(engine)
     prompts = [engine.tokenize(p) for p in PROMPTS]
-    # plain greedy first (they run ahead), then requests that need the host per step
-    arrivals = {0: [0, 1, 5], 3: [2], 16: [3, 6], 18: [4]}
+    # sampled on the device first (they run ahead), then requests that need the host
+    # (min_tokens masking, logprobs) every step; unseeded sampling would draw from the
+    # engine's shared generator, which wasted rows of stopped requests advance
+    arrivals = {0: [0, 1, 5, 7], 3: [2, 4], 16: [3, 6]}
     abort = {"r1": 5}  # request -> step
     finals, pipelined, step = {}, 0, 0
     while step < 500:
@@ -82,7 +85,7 @@ def test_async_equals_sync_with_arrivals_stops_and_abort(engines):
     got, in_flight = _run_script(pipelined)
     assert none_in_flight == 0
     assert in_flight > 8, "greedy decode steps never ran ahead"
-    assert set(got) == set(expected) == {f"r{i}" for i in range(7)} - {"r1"}
+    assert set(got) == set(expected) == {f"r{i}" for i in range(8)} - {"r1"}
     for rid, want in expected.items():
         out = got[rid].output
         assert out.token_ids == want.output.token_ids, rid

@@ -26,6 +26,17 @@ def engines(default_model_dir):
 
 
 def _disaggregated(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt_ids, params):
+    result, moved = _hand_over(prefill, decode, rid, prompt_ids, params)
+    while not result.finished:
+        for out in decode.step():
+            if out.request_id == rid:
+                result = out
+    return result, moved
+
+
+def _hand_over(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt_ids, params):
+    """Prefill on one engine, copy the KV into the decode engine's reserved blocks and
+    admit it there; returns admit_remote's output and how many blocks moved."""
     reservation = decode.reserve_remote_kv(rid, prompt_ids, params)
     prefill.add_request(rid, prompt_ids, params)
     first = None
@@ -41,17 +52,14 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt_ids, 
     dst = reservation.block_ids[skip:]
     decode.runner.kv_cache[dst] = prefill.runner.kv_cache[src]
     prefill.release(rid)
-    lp = first.output.logprobs[0]
+    lp = first.output.logprobs[0] if first.output.logprobs else None
     token = first.output.token_ids[0]
     top = sorted(
-        ((t, p.logprob) for t, p in lp.items() if t != token or p.rank == 1), key=lambda x: -x[1]
+        ((t, p.logprob) for t, p in (lp or {}).items() if t != token or p.rank == 1),
+        key=lambda x: -x[1],
     )
-    result = decode.admit_remote(rid, token, (lp[token].logprob, lp[token].rank, top[:2]))
-    while not result.finished:
-        for out in decode.step():
-            if out.request_id == rid:
-                result = out
-    return result, len(src)
+    first_lp = (lp[token].logprob, lp[token].rank, top[:2]) if lp else None
+    return decode.admit_remote(rid, token, first_lp), len(src)
 
 
 def test_prefill_then_decode_equals_colocated(engines):
@@ -90,5 +98,34 @@ def test_aborts_free_blocks_in_every_state(engines):
     assert not prefill.abort_request("prefilled")
     with pytest.raises(ValueError, match="reservation"):
         decode.admit_remote("never-reserved", 5)
+    for engine in (prefill, decode):
+        assert_all_blocks_free(engine)
+
+
+def test_async_decode_role_admits_while_decoding(engines, default_model_dir):
+    """A decode worker's pattern with async scheduling: remote prefills arrive while
+    other requests decode (each admit changes the batch) and the results still equal
+    the colocated engine's."""
+    prefill, _, colocated = engines
+    decode = LLMEngine(
+        EngineConfig(model=str(default_model_dir), role="decode", async_scheduling=True)
+    )
+    params = SamplingParams(temperature=0, max_tokens=20)
+    prompts = [colocated.tokenizer.encode(p) for p in TEXT_PROMPTS[:5]]
+    expected = [o.output.token_ids for o in colocated.generate(prompts, params)]
+    finals, pending, step, ran_ahead = {}, list(enumerate(prompts)), 0, 0
+    while pending or decode.has_unfinished_requests():
+        if pending and step % 4 == 0:
+            i, prompt = pending.pop(0)
+            first, _ = _hand_over(prefill, decode, f"a{i}", prompt, params)
+            if first.finished:
+                finals[first.request_id] = first
+        for out in decode.step():
+            if out.finished:
+                finals[out.request_id] = out
+        ran_ahead += decode._in_flight is not None
+        step += 1
+    assert [finals[f"a{i}"].output.token_ids for i in range(len(prompts))] == expected
+    assert ran_ahead > 5
     for engine in (prefill, decode):
         assert_all_blocks_free(engine)
