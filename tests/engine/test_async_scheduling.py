@@ -27,7 +27,7 @@ def _params(engine: LLMEngine) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=20),
         SamplingParams(temperature=0, max_tokens=30, stop=["the"]),
         SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[comma]),
-        SamplingParams(temperature=0, max_tokens=12, min_tokens=6),  # masks EOS: not plain
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6),  # masks EOS: on the host
         SamplingParams(temperature=0.9, max_tokens=15, seed=5),
         SamplingParams(temperature=0, max_tokens=3),
         SamplingParams(temperature=0, max_tokens=18, logprobs=2),  # logprobs: on the host
