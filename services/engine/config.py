@@ -65,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True, False or None, got {self.async_scheduling!r}"
+            )
         if self.cuda_graph_max_batch < 1:
             raise ValueError("cuda_graph_max_batch must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -266,11 +266,7 @@ class LLMEngine:
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         req = self.requests[seq.seq_id]
         return SamplingRequest(
-            seq.params,
-            seq.prompt_token_ids,
-            seq.output_token_ids,
-            req.stop_token_ids,
-            req.generator,
+            seq.params, seq.token_ids, seq.num_prompt_tokens, req.stop_token_ids, req.generator
         )
 
     def _process_samples(

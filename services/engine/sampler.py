@@ -17,10 +17,24 @@ from services.engine.sampling_params import SamplingParams
 @dataclass
 class SamplingRequest:
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    # the sequence's own prompt + output list, not a copy: a step builds one request per
+    # sequence, and only penalties need the token lists themselves
+    token_ids: list[int]
+    num_prompt_tokens: int
     stop_token_ids: list[int]  # suppressed while fewer than min_tokens were generated
     generator: torch.Generator | None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -69,7 +83,7 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
-            if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids:
+            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 logits[i, r.stop_token_ids] = float("-inf")
 
         token_ids = self.sample(logits, requests).tolist()
@@ -107,7 +121,7 @@ class Sampler:
 
 def _plain_greedy(r: SamplingRequest) -> bool:
     return r.params.greedy and samples_on_device(
-        r.params, len(r.output_token_ids), bool(r.stop_token_ids)
+        r.params, r.num_output_tokens, bool(r.stop_token_ids)
     )
 
 
@@ -140,7 +154,7 @@ def _apply_penalties(row: torch.Tensor, r: SamplingRequest) -> None:
             row[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
-    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+    if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
         ids, counts = torch.tensor(r.output_token_ids).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
 

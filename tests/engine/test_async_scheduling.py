@@ -77,6 +77,8 @@ def test_config_default_follows_device():
     assert not EngineConfig(
         model="m", device="cuda", async_scheduling=False
     ).async_scheduling_enabled
+    with pytest.raises(ValueError, match="async_scheduling must be"):
+        EngineConfig(model="m", async_scheduling="yes")
 
 
 def test_async_equals_sync_with_arrivals_stops_and_abort(engines):

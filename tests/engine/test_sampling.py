@@ -125,8 +125,8 @@ def test_presence_and_frequency_penalties_follow_openai_formula():
     logits = torch.tensor([[2.0, 1.9, 0.5, -1.0]])
     req = SamplingRequest(
         SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.15, logprobs=3),
-        prompt_token_ids=[3],
-        output_token_ids=[0, 0, 2],
+        token_ids=[3, 0, 0, 2],
+        num_prompt_tokens=1,
         stop_token_ids=[],
         generator=None,
     )
@@ -141,8 +141,8 @@ def test_min_p_and_top_p_restrict_choices():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     for seed in range(20):
         gen = torch.Generator().manual_seed(seed)
-        top_p = SamplingRequest(SamplingParams(top_p=0.7), [], [], [], gen)
-        min_p = SamplingRequest(SamplingParams(min_p=0.5), [], [], [], gen)
+        top_p = SamplingRequest(SamplingParams(top_p=0.7), [], 0, [], gen)
+        min_p = SamplingRequest(SamplingParams(min_p=0.5), [], 0, [], gen)
         out = Sampler()(torch.cat([logits, logits]), [top_p, min_p])
         assert out.token_ids[0] in (0, 1)  # 0.5 + 0.3 reaches 0.7
         assert out.token_ids[1] in (0, 1)  # 0.15 < 0.5 * 0.5
