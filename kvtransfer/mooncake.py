@@ -23,6 +23,9 @@ Facts this code relies on (mooncake-transfer-engine 0.3.13, measured on loopback
   keeps its peer's thread until the engine gives up; later writes to that peer wait
   behind it and time out at their own deadline, skipped unsent instead of piling up.
   A refused connection (peer gone) fails in about a millisecond.
+- Once a peer's segment is open, single-region submit / status calls never block: with
+  poll_writes (default for nvlink_intra) later writes skip the worker thread and its two
+  hand-offs (0.2-0.35 ms each on an H200 host; the 268 MB copy takes ~1 ms).
 - The first write to a peer handshakes while holding the engine's global mutex: a hung
   peer would stall writes to all peers. send_probe() takes no such lock, so a new peer
   is probed first (sub-millisecond when healthy).
@@ -44,6 +47,7 @@ from typing import Any
 
 from kvtransfer.connector import KVAgentInfo, KVConnector, KVTransferError
 from kvtransfer.layout import KVLayout, batched
+from kvtransfer.polled_write import PolledWrites
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,7 @@ class MooncakeConnector(KVConnector):
         memory_location: str = "*",
         max_batch: int = DEFAULT_MAX_BATCH,
         max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        poll_writes: bool | None = None,
     ):
         """hostname: address peers use to reach us (no port: the engine picks one).
         protocol: "tcp", "rdma" or "nvlink_intra". metadata: "P2PHANDSHAKE" (no server)
@@ -107,7 +112,10 @@ class MooncakeConnector(KVConnector):
         device_name: comma-separated RDMA NICs (e.g. "mlx5_0,mlx5_1"), "" for auto.
         memory_location: Mooncake location of the KV buffer ("*" = detect, "cpu:0",
         "cuda:0"). max_batch: requests per engine batch. max_region_bytes: larger
-        regions are split."""
+        regions are split. poll_writes: once a peer has answered, submit its writes
+        from the calling thread and poll them (kvtransfer/polled_write.py) instead of
+        handing them to the peer's worker thread; None: only for nvlink_intra, where
+        the hand-offs cost a third of the copy and no per-peer queue limit applies."""
         super().__init__()
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
@@ -130,6 +138,8 @@ class MooncakeConnector(KVConnector):
             or max_region_bytes < 1
         ):
             raise ValueError(f"max_region_bytes must be a positive int, got {max_region_bytes!r}")
+        if poll_writes is not None and not isinstance(poll_writes, bool):
+            raise ValueError(f"poll_writes must be True, False or None, got {poll_writes!r}")
 
         if protocol == "nvlink_intra" and "MC_INTRANODE_NVLINK" not in os.environ:
             # Read when the engine installs its transports; without it Mooncake silently
@@ -143,6 +153,7 @@ class MooncakeConnector(KVConnector):
         self.memory_location = memory_location
         self.max_batch = max_batch
         self.max_region_bytes = max_region_bytes
+        self.poll_writes = protocol == "nvlink_intra" if poll_writes is None else poll_writes
 
         engine_cls = _import_engine()
         self._engine: Any = engine_cls()
@@ -166,6 +177,7 @@ class MooncakeConnector(KVConnector):
         self._peer_workers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
         self._handshaken: set[str] = set()  # peers the engine has a live segment for
         self._state_lock = threading.Lock()
+        self._polled = PolledWrites(self._engine)
 
     # --- registration ----------------------------------------------------------------
     def register(self, base_addr: int, nbytes: int, layout: KVLayout) -> None:
@@ -209,6 +221,8 @@ class MooncakeConnector(KVConnector):
     def _write_regions(
         self, peer: KVAgentInfo, regions: list[tuple[int, int, int]], deadline: float
     ) -> int:
+        if self.poll_writes and peer.session_id in self._handshaken:
+            return self._write_polled(peer, regions, deadline)
         batches = batched(regions, self.max_batch)
         result: dict[str, Any] = {}
         abandon = threading.Event()
@@ -313,6 +327,16 @@ class MooncakeConnector(KVConnector):
             code=result["rc"],
         )
 
+    def _write_polled(self, peer: KVAgentInfo, regions, deadline: float) -> int:
+        with self._state_lock:
+            if self._closed:
+                raise KVTransferError("connector is closed", peer=peer.session_id)
+        try:
+            return self._polled.write(peer.session_id, regions, deadline)
+        except KVTransferError:
+            self._handshaken.discard(peer.session_id)  # the next write probes it first
+            raise
+
     # --- shutdown ------------------------------------------------------------------------
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
         """Unregister the KV buffer and destroy the engine (stops its listeners).
@@ -320,7 +344,8 @@ class MooncakeConnector(KVConnector):
         Every peer's worker thread is told to exit after the jobs already queued. Engine
         calls abandoned after a timeout may still be running on them; destroying the
         engine under them would crash the process, so we wait up to wait_s for the
-        threads and otherwise keep the engine alive (leaked, logged) rather than risk it.
+        threads (and for polled writes still running or abandoned) and otherwise keep
+        the engine alive (leaked, logged) rather than risk it.
         """
         with self._state_lock:
             if self._closed:
@@ -333,7 +358,8 @@ class MooncakeConnector(KVConnector):
         end = time.monotonic() + wait_s
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
-        if any(t.is_alive() for t in threads):
+        polled_done = self._polled.close(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in threads) or not polled_done:
             log.warning(
                 "closing Mooncake connector %s with engine calls still running; "
                 "leaking the engine instead of destroying it under them",

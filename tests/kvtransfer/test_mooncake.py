@@ -326,8 +326,90 @@ def test_register_validation_and_close_is_idempotent():
         ({"max_batch": 0}, "max_batch"),
         ({"max_region_bytes": 0}, "max_region_bytes"),
         ({"hostname": "127.0.0.1:1234"}, "without port"),
+        ({"poll_writes": "yes"}, "poll_writes"),
     ],
 )
 def test_constructor_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MooncakeConnector(**kwargs)
+
+
+def test_polled_writes_after_first_contact(pair):
+    """poll_writes: the first write to a peer goes through its worker thread (probe and
+    handshake), later ones are submitted and polled from the calling thread, exactly."""
+    _, reader = pair
+    writer = Worker(256, seed=11, poll_writes=True)
+    name = f"kv-write-{reader.info.session_id}"
+    try:
+        assert MooncakeConnector(protocol="tcp").poll_writes is False  # the default
+        before = reader.digests()
+        workers = len([t for t in threading.enumerate() if t.name == name])  # pair's own
+        writer.conn.write_blocks(reader.info, [0], [4100], timeout_s=10)
+        assert len([t for t in threading.enumerate() if t.name == name]) == workers + 1
+        src = [5, 6, 7, 100, 9, 200, 201]
+        dst = [4200, 4201, 4202, 4300, 4400, 4500, 4502]
+        calls = []
+        writer.conn._engine = _Spy(writer.conn._engine, calls)
+        writer.conn._polled._engine = writer.conn._engine
+        stats = writer.conn.write_blocks(reader.info, src, dst, timeout_s=10)
+        assert stats.num_regions == stats.num_batches == 5
+        assert [c[0] for c in calls] == [threading.current_thread().name] * 5
+        assert_copied(writer, reader, before, [0] + src, [4100] + dst)
+        # concurrent polled writes to one peer
+        boxes = []
+        jobs = [
+            (list(range(i * 8, i * 8 + 8)), list(range(4600 - i * 8, 4608 - i * 8)))
+            for i in range(4)
+        ]
+        threads = [
+            threading.Thread(
+                target=lambda s=s, d=d: boxes.append(
+                    within(30, writer.conn.write_blocks, reader.info, s, d, timeout_s=20)
+                )
+            )
+            for s, d in jobs
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert len(boxes) == 4 and all("exc" not in b for b in boxes), boxes
+        for s_ids, d_ids in jobs:
+            assert all(reader.block(d) == writer.block(b) for b, d in zip(s_ids, d_ids))
+    finally:
+        box = within(30, writer.conn.close)
+        assert "exc" not in box and writer.conn._engine is None
+
+
+def test_polled_write_to_a_closed_peer_raises_and_reprobes():
+    writer = Worker(16, seed=12, poll_writes=True)
+    reader = Worker(16, seed=13)
+    try:
+        writer.conn.write_blocks(reader.info, [1], [2], timeout_s=10)
+        assert reader.info.session_id in writer.conn._handshaken
+        info = reader.info
+        reader.conn.close()
+        box = within(30, writer.conn.write_blocks, info, [3], [4], timeout_s=5)
+        assert isinstance(box.get("exc"), KVTransferError), box
+        assert info.session_id not in writer.conn._handshaken  # next write probes first
+        box = within(30, writer.conn.write_blocks, info, [3], [4], timeout_s=2)
+        assert isinstance(box.get("exc"), KVTransferError), box
+        assert writer.conn.stats()["transfers_failed"] >= 2
+    finally:
+        box = within(30, writer.conn.close)
+        assert "exc" not in box, box
+
+
+class _Spy:
+    """Records which thread submits each polled write (a test double for nothing but
+    the bookkeeping: every call goes to the real engine)."""
+
+    def __init__(self, engine, calls):
+        self._engine, self._calls = engine, calls
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def transfer_submit_write(self, *args):
+        self._calls.append((threading.current_thread().name, args))
+        return self._engine.transfer_submit_write(*args)
