@@ -26,13 +26,14 @@ from services.common.kv import memory_location, register_kv_cache
 from services.engine import EngineConfig, LLMEngine, SamplingParams
 
 
-def connector_for(kv: torch.Tensor, spec, protocol: str, max_region_mb: int = 64):
+def connector_for(kv: torch.Tensor, spec, protocol: str, max_region_mb: int = 64, poll_writes=None):
     conn = create_connector(
         "mooncake",
         hostname="127.0.0.1",
         protocol=protocol,
         memory_location=memory_location(kv),
         max_region_bytes=max_region_mb << 20,
+        poll_writes=poll_writes,
     )
     register_kv_cache(conn, kv, spec)
     return conn
@@ -60,6 +61,14 @@ def main() -> None:
     ap.add_argument("--protocol", default="nvlink_intra")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-region-mb", type=int, default=64)
+    ap.add_argument(
+        "--write-mode",
+        choices=("default", "polled", "thread"),
+        default="default",
+        help="polled: submit from the caller's thread and poll; thread: hand each write "
+        "to the peer's worker thread; default: the connector's choice (polled for "
+        "nvlink_intra)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.protocol == "nvlink_intra":
@@ -91,7 +100,8 @@ def main() -> None:
     )
     child.start()
     peer = KVAgentInfo.from_dict(parent_end.recv())
-    p_conn = connector_for(kv, spec, args.protocol, args.max_region_mb)
+    poll_writes = {"default": None, "polled": True, "thread": False}[args.write_mode]
+    p_conn = connector_for(kv, spec, args.protocol, args.max_region_mb, poll_writes)
     p_conn.add_peer(peer)
     vocab = prefill.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=2)

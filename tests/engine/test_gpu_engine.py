@@ -126,3 +126,43 @@ def test_async_scheduling_on_cuda_graphs_equals_sync(tmp_path):
         assert_all_blocks_free(llm)
     assert results[True] == results[False]
     assert {reason for _, reason in results[True]} == {"stop", "length"}
+
+
+def test_async_sampled_on_cuda_graphs_equals_sync(tmp_path):
+    """Seeded temperature / top-k / top-p / min-p draws made on the device while the next
+    step is already launched give the synchronous engine's tokens."""
+    pytest.importorskip("triton")
+    model_dir = save_random_model(tmp_path / "llama", "llama")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 120))] for _ in range(6)]
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=14, seed=5, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, max_tokens=9, seed=6, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, max_tokens=17, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_p=0.05, max_tokens=11, seed=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(
+            temperature=0.6,
+            top_k=40,
+            top_p=0.9,
+            min_p=0.02,
+            max_tokens=15,
+            seed=9,
+            ignore_eos=True,
+        ),
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            kernel_backend="triton",
+            cuda_graph_max_batch=16,
+            async_scheduling=async_scheduling,
+        )
+        outs = llm.generate(prompts, params)
+        results[async_scheduling] = [o.output.token_ids for o in outs]
+        assert [len(t) for t in results[async_scheduling]] == [p.max_tokens for p in params]
+        assert_all_blocks_free(llm)
+    assert results[True] == results[False]
