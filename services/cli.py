@@ -254,7 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    up.add_argument("--device", default="cpu")
+    up.add_argument("--device", default="cpu", help="device of every worker")
+    up.add_argument(
+        "--prefill-device",
+        default=None,
+        help="prefill workers' devices instead of --device, comma-separated, worker i "
+        "taking entry i modulo their number (e.g. cuda:0)",
+    )
+    up.add_argument(
+        "--decode-device",
+        default=None,
+        help="decode workers' devices instead of --device (e.g. cuda:1,cuda:2)",
+    )
     up.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,7 +55,27 @@ class Child:
             self.proc.kill()
 
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def plan_workers(args) -> list[tuple[str, str]]:
+    """(name, device) of every worker: --prefill-device / --decode-device are
+    comma-separated lists that worker i of that role takes entry i of (cycled); --device
+    is the default for both."""
+    plan = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        own = getattr(args, f"{role}_device", None)
+        flag = f"--{role}-device" if own else "--device"
+        devices = [d.strip() for d in (own or args.device).split(",")]
+        for d in devices:
+            if _DEVICE.fullmatch(d) is None:
+                raise ValueError(f"{flag}: {d!r} is not cpu, cuda or cuda:N")
+        plan += [(f"{role}-{i}", devices[i % len(devices)]) for i in range(count)]
+    return plan
+
+
 def run_up(args, worker_args: list[str]) -> int:
+    plan = plan_workers(args)  # ValueError before anything starts
     env = {**os.environ, "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")] if p
@@ -69,21 +90,11 @@ def run_up(args, worker_args: list[str]) -> int:
     signal.signal(signal.SIGINT, stop_all)
     try:
         workers = []
-        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-            for i in range(count):
-                cmd = [
-                    *PDSERVE,
-                    role,
-                    "--model",
-                    args.model,
-                    "--device",
-                    args.device,
-                    "--port",
-                    "0",
-                    *worker_args,
-                ]
-                children.append(Child(f"{role}-{i}", cmd, env))
-                workers.append(children[-1])
+        for name, device in plan:
+            role = name.split("-")[0]
+            cmd = [*PDSERVE, role, "--model", args.model, "--device", device, "--port", "0"]
+            children.append(Child(name, [*cmd, *worker_args], env))
+            workers.append(children[-1])
         for w in workers:
             while not w.ready.wait(0.5):
                 if stopping.is_set() or w.proc.poll() is not None:

@@ -410,3 +410,35 @@ def test_two_by_two_round_robin_and_losing_decode_workers(model, pair):
     finally:
         for w in extra:
             w.stop()
+
+
+def test_serving_benchmark_against_real_workers(router, pair):
+    """benchmarks/serving_bench.py: every streamed request is timed and counted, a
+    rejected one is reported as failed (not raised), and the workers end with every
+    KV block free."""
+    from benchmarks.serving_bench import run_benchmark
+
+    s = asyncio.run(
+        run_benchmark(
+            router.url,
+            num_prompts=6,
+            input_len=40,
+            output_len=8,
+            max_concurrency=3,
+            request_rate=50.0,
+            seed=1,
+        )
+    )
+    assert s["model"] == SERVED
+    assert (s["completed"], s["failed"]) == (6, 0), s["first_error"]
+    for r in s["requests"]:
+        assert (r["prompt_tokens"], r["output_tokens"]) == (40, 8)
+        assert 0 < r["ttft"] < r["e2e"] and r["itl"] >= 1
+    assert 0 < s["ttft_ms"]["median"] <= s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+    assert s["output_throughput"] > 0 and s["tpot_ms"]["mean"] > 0
+
+    too_long = router.state.registry.max_model_len() + 1
+    bad = asyncio.run(run_benchmark(router.url, num_prompts=1, input_len=too_long, output_len=4))
+    assert (bad["completed"], bad["failed"]) == (0, 1)
+    assert bad["first_error"].startswith("HTTP 400")
+    assert_all_blocks_free(pair)

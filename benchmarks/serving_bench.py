@@ -1,0 +1,257 @@
+"""Online serving benchmark: streamed completions through the router's OpenAI endpoint,
+reporting time to first token (TTFT), time per output token after the first (TPOT),
+inter-token latency (ITL, between streamed chunks), end-to-end latency and throughput,
+as vLLM's and SGLang's serving benchmarks do.
+
+Prompts are random token ids (each request its own, so the prefix cache does not help),
+answers run to exactly --output-len tokens (ignore_eos). Requests start at
+--request-rate per second (Poisson arrivals; inf: all at once), at most
+--max-concurrency in flight.
+
+    python benchmarks/serving_bench.py --base-url http://127.0.0.1:8000 \\
+        --num-prompts 200 --input-len 1024 --output-len 128 --max-concurrency 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds from send to the first chunk with text
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)  # gaps between text chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+async def _one_request(
+    session: aiohttp.ClientSession, url: str, payload: dict, headers: dict
+) -> RequestResult:
+    res = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = json.dumps(chunk["error"])[:300]
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = res.ttft > 0 and res.output_tokens > 0
+        if not res.ok:
+            res.error = "stream ended without text or usage"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    """mean / median / p90 / p99 in milliseconds (nearest-rank percentiles)."""
+    if not values:
+        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan}
+    s = sorted(values)
+
+    def rank(p: float) -> float:
+        return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+    return {
+        "mean": statistics.fmean(s) * scale,
+        "median": statistics.median(s) * scale,
+        "p90": rank(90) * scale,
+        "p99": rank(99) * scale,
+    }
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
+    async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def run_benchmark(
+    base_url: str,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    model: str | None = None,
+    token_range: tuple[int, int] = (100, 10000),
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 600.0,
+) -> dict:
+    """Send the requests and return the summary (latencies in ms) plus per-request
+    results under "requests"."""
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise ValueError("num_prompts, input_len and output_len must be >= 1")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError("max_concurrency must be >= 1")
+    if not request_rate > 0:
+        raise ValueError("request_rate must be > 0 (inf: all at once)")
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*token_range) for _ in range(input_len)] for _ in range(num_prompts)]
+    gaps = [
+        0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
+        for _ in range(num_prompts)
+    ]
+    limit = asyncio.Semaphore(max_concurrency or num_prompts)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = model or await first_model(session, base_url, headers)
+        url = f"{base_url}/v1/completions"
+
+        async def send(prompt: list[int]) -> RequestResult:
+            payload = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with limit:
+                return await _one_request(session, url, payload, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps, strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(send(prompt)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    return {
+        "model": model,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "max_concurrency": max_concurrency,
+        "request_rate": request_rate,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "first_error": next((r.error for r in results if not r.ok), ""),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _percentiles([r.ttft for r in done]),
+        "tpot_ms": _percentiles(
+            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+        ),
+        "itl_ms": _percentiles([x for r in done for x in r.itl]),
+        "e2e_ms": _percentiles([r.e2e for r in done]),
+        "requests": [asdict(r) | {"itl": len(r.itl)} for r in results],
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"model {s['model']}: {s['num_prompts']} requests of {s['input_len']} -> "
+        f"{s['output_len']} tokens, concurrency {s['max_concurrency'] or 'unlimited'}, "
+        f"rate {s['request_rate']}/s",
+        f"completed {s['completed']}, failed {s['failed']}"
+        + (f" (first error: {s['first_error']})" if s["failed"] else ""),
+        f"duration {s['duration_s']:.2f} s; {s['request_throughput']:.2f} req/s, "
+        f"{s['output_throughput']:.1f} output tok/s, "
+        f"{s['total_token_throughput']:.1f} total tok/s",
+    ]
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E"),
+    ):
+        p = s[key]
+        lines.append(
+            f"{name:5s} ms  mean {p['mean']:9.2f}  median {p['median']:9.2f}  "
+            f"p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="default: the first of /v1/models")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--request-rate", type=float, default=math.inf)
+    ap.add_argument(
+        "--token-range",
+        default="100,10000",
+        help="prompt token ids are drawn from [lo, hi) (must be valid for the model)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    lo, hi = (int(x) for x in args.token_range.split(","))
+    summary = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            model=args.model,
+            token_range=(lo, hi),
+            seed=args.seed,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+        )
+    )
+    print(format_summary(summary), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
