@@ -114,9 +114,11 @@ async def run_benchmark(
     seed: int = 0,
     api_key: str | None = None,
     timeout_s: float = 600.0,
+    warmup: int = 1,
 ) -> dict:
-    """Send the requests and return the summary (latencies in ms) plus per-request
-    results under "requests"."""
+    """Send `warmup` uncounted requests one by one (first-request costs: kernel
+    compilation, connections), then the measured ones; return the summary (latencies in
+    ms) plus per-request results under "requests"."""
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("num_prompts, input_len and output_len must be >= 1")
     if max_concurrency is not None and max_concurrency < 1:
@@ -125,8 +127,13 @@ async def run_benchmark(
         raise ValueError("request_rate must be > 0 (inf: all at once)")
     base_url = base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if warmup < 0:
+        raise ValueError("warmup must be >= 0")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(*token_range) for _ in range(input_len)] for _ in range(num_prompts)]
+    prompts = [
+        [rng.randrange(*token_range) for _ in range(input_len)] for _ in range(warmup + num_prompts)
+    ]
+    warmup_prompts, prompts = prompts[:warmup], prompts[warmup:]
     gaps = [
         0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
         for _ in range(num_prompts)
@@ -150,6 +157,11 @@ async def run_benchmark(
             }
             async with limit:
                 return await _one_request(session, url, payload, headers)
+
+        for prompt in warmup_prompts:
+            res = await send(prompt)
+            if not res.ok:
+                raise RuntimeError(f"warm-up request failed: {res.error}")
 
         start = time.perf_counter()
         tasks = []
@@ -227,6 +239,7 @@ def main() -> None:
         help="prompt token ids are drawn from [lo, hi) (must be valid for the model)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     ap.add_argument("--json-out", default=None)
@@ -245,6 +258,7 @@ def main() -> None:
             seed=args.seed,
             api_key=args.api_key,
             timeout_s=args.timeout,
+            warmup=args.warmup,
         )
     )
     print(format_summary(summary), flush=True)

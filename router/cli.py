@@ -116,7 +116,7 @@ def run_router(args: argparse.Namespace) -> int:
         "router on %s:%d, prefill %s (%s), decode %s (%s)",
         config.host,
         config.port,
-        list(config.prefill),
+        list(config.prefill) or "none: decode workers prefill locally (colocated)",
         config.prefill_policy,
         list(config.decode),
         config.decode_policy,

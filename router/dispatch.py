@@ -138,7 +138,9 @@ class GenerationRun:
             )
             if pair is None:
                 error = error or unavailable(
-                    "no healthy pair of prefill and decode workers is available"
+                    "no healthy decode worker is available"
+                    if registry.colocated
+                    else "no healthy pair of prefill and decode workers is available"
                 )
                 break
             remaining = self.deadline - time.monotonic()
@@ -160,7 +162,7 @@ class GenerationRun:
                 index,
                 attempt,
                 decode.address,
-                prefill.address,
+                prefill.address or "local",
                 code.name,
                 details,
             )
@@ -182,12 +184,12 @@ class GenerationRun:
     async def _attempt(self, index, gen, decode: Worker, prefill: Worker, timeout: float):
         """One Generate call. Returns (None, "", True) when the choice finished, else the
         failure (code, details, whether a token was already passed on)."""
-        self.pairs[index] = f"{decode.address}<-{prefill.address}"
+        self.pairs[index] = f"{decode.address}<-{prefill.address or 'local'}"
         self.log.debug(
             "choice %d -> decode %s, prefill %s (worker request id %s)",
             index,
             decode.address,
-            prefill.address,
+            prefill.address or "local",
             gen.request_id,
         )
         decode.inflight += 1

@@ -7,7 +7,12 @@ the admin endpoint, and DNS names standing for several workers (re-resolved ever
 A background loop probes every worker each `health_interval` through grpc.health.v1
 and GetLoad (one failed probe takes a worker out, one good probe brings it back), and
 pairs each healthy decode worker with each healthy prefill worker through
-AddPrefillPeer; an incompatible pair is logged and never used."""
+AddPrefillPeer; an incompatible pair is logged and never used.
+
+A router given no prefill target at all (none on the command line, none added through
+the admin endpoint) runs colocated: each healthy decode worker is paired with
+LocalPrefill and prefills its own requests. With a prefill target, only shaken-hands
+pairs are used, even while its DNS name resolves to no worker."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +44,20 @@ _INCOMPATIBLE = (
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.UNIMPLEMENTED,
 )
+
+
+class LocalPrefill:
+    """The prefill side of a colocated pair: the decode worker prefills itself (an empty
+    GenerateRequest.prefill_address means exactly that)."""
+
+    role = "prefill"
+    address = ""
+    name = "local"
+    load = None
+
+    def __init__(self):
+        self.inflight = 0
+        self.requests = 0
 
 
 @dataclass
@@ -106,6 +126,7 @@ class WorkerRegistry:
         for role in ROLES:
             for spec in getattr(config, role):
                 self.targets[(role, spec)] = Target("static")
+        self.local_prefill = LocalPrefill()
         self._tasks: set[asyncio.Task] = set()
         self._closing: list[grpc.aio.Channel] = []
         self._loop_task: asyncio.Task | None = None
@@ -349,7 +370,9 @@ class WorkerRegistry:
     def healthy(self, role: str, model: str | None = None) -> list[Worker]:
         return [w for w in self.of_role(role) if w.healthy and (model is None or w.model == model)]
 
-    def usable_pairs(self, model: str | None = None) -> list[tuple[Worker, Worker]]:
+    def usable_pairs(self, model: str | None = None) -> list[tuple[Worker, Any]]:
+        if self.colocated:
+            return [(d, self.local_prefill) for d in self.healthy("decode", model)]
         prefills = {p.address: p for p in self.healthy("prefill", model)}
         return [
             (d, prefills[a])
@@ -357,6 +380,11 @@ class WorkerRegistry:
             for a, pairing in sorted(d.peers.items())
             if pairing.state == "ok" and a in prefills
         ]
+
+    @property
+    def colocated(self) -> bool:
+        """No prefill target: decode workers prefill their own requests."""
+        return not any(role == "prefill" for role, _ in self.targets)
 
     def ready(self) -> bool:
         return bool(self.usable_pairs())

@@ -438,7 +438,46 @@ def test_serving_benchmark_against_real_workers(router, pair):
     assert s["output_throughput"] > 0 and s["tpot_ms"]["mean"] > 0
 
     too_long = router.state.registry.max_model_len() + 1
-    bad = asyncio.run(run_benchmark(router.url, num_prompts=1, input_len=too_long, output_len=4))
+    bad = asyncio.run(
+        run_benchmark(router.url, num_prompts=1, input_len=too_long, output_len=4, warmup=0)
+    )
     assert (bad["completed"], bad["failed"]) == (0, 1)
     assert bad["first_error"].startswith("HTTP 400")
+    assert_all_blocks_free(pair)
+
+
+def test_router_without_prefill_workers_runs_colocated(pair, colocated):
+    """No prefill target: the decode worker prefills its own requests (greedy output
+    equal to the colocated engine, no KV transfer). Adding a prefill worker through the
+    admin endpoint switches to disaggregated pairs."""
+    prefill, decode = pair
+    cfg = RouterConfig(
+        host="127.0.0.1", port=0, prefill=(), decode=(decode.address,), served_model_name=SERVED
+    )
+    prompt = "The capital of France is"
+    ref = greedy(colocated, prompt, max_tokens=12).output.text
+    with RouterThread(cfg) as r:
+        wait_ready(r)
+        assert http("GET", r.url + "/ready").json()["pairs"] == 1
+        client = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        transfers = prefill.load().kv_transfers_ok
+        out = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12)
+        assert out.choices[0].text == ref
+        streamed = client.completions.create(
+            model=SERVED, prompt=prompt, temperature=0, max_tokens=12, stream=True
+        )
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == ref
+        assert prefill.load().kv_transfers_ok == transfers  # the prefill worker was not used
+
+        added = http(
+            "POST", r.url + "/admin/workers", {"role": "prefill", "address": prefill.address}
+        )
+        assert added.status == 201
+        deadline = time.monotonic() + 30
+        while not any(p.address for _, p in r.state.registry.usable_pairs()):
+            assert time.monotonic() < deadline, "the added prefill worker was never paired"
+            time.sleep(0.05)
+        out = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12)
+        assert out.choices[0].text == ref
+        assert prefill.load().kv_transfers_ok == transfers + 1
     assert_all_blocks_free(pair)

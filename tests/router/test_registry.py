@@ -167,3 +167,26 @@ def test_vanished_workers_are_retried_then_503():
         assert sum(w.requests for w in reg.of_role("decode")) >= 1
         assert all(w.inflight == 0 for w in reg.workers.values())
         r.call(p.stop())
+
+
+def test_colocated_only_without_any_prefill_target():
+    async def main():
+        d = await ControlPlane("decode").start()
+        reg = WorkerRegistry(config(decode=(d.address,)))
+        await reg.start()
+        try:
+            await until(reg.ready)
+            [(dw, local)] = reg.usable_pairs()
+            assert reg.colocated and dw.address == d.address and local.address == ""
+            assert d.peer_calls == []  # nothing to shake hands with
+            # a prefill name that resolves to no worker yet (pods starting): no pairs,
+            # rather than decode workers silently prefilling on their own
+            await reg.add_target("prefill", "prefill.invalid:7000")
+            assert not reg.colocated and reg.usable_pairs() == [] and not reg.ready()
+            assert reg.remove_target("prefill", "prefill.invalid:7000")
+            assert reg.colocated and reg.ready()
+        finally:
+            await reg.close()
+            await d.stop()
+
+    asyncio.run(main())
