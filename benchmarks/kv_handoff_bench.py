@@ -26,14 +26,16 @@ from services.common.kv import memory_location, register_kv_cache
 from services.engine import EngineConfig, LLMEngine, SamplingParams
 
 
-def connector_for(kv: torch.Tensor, spec, protocol: str, max_region_mb: int = 64, poll_writes=None):
+def connector_for(
+    kv: torch.Tensor, spec, protocol: str, max_region_mb: int = 64, direct_writes=None
+):
     conn = create_connector(
         "mooncake",
         hostname="127.0.0.1",
         protocol=protocol,
         memory_location=memory_location(kv),
         max_region_bytes=max_region_mb << 20,
-        poll_writes=poll_writes,
+        direct_writes=direct_writes,
     )
     register_kv_cache(conn, kv, spec)
     return conn
@@ -63,11 +65,10 @@ def main() -> None:
     ap.add_argument("--max-region-mb", type=int, default=64)
     ap.add_argument(
         "--write-mode",
-        choices=("default", "polled", "thread"),
+        choices=("default", "direct", "thread"),
         default="default",
-        help="polled: submit from the caller's thread and poll; thread: hand each write "
-        "to the peer's worker thread; default: the connector's choice (polled for "
-        "nvlink_intra)",
+        help="direct: engine calls from the caller's thread; thread: from the peer's "
+        "writer thread; default: the connector's choice (direct for nvlink_intra)",
     )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -100,8 +101,8 @@ def main() -> None:
     )
     child.start()
     peer = KVAgentInfo.from_dict(parent_end.recv())
-    poll_writes = {"default": None, "polled": True, "thread": False}[args.write_mode]
-    p_conn = connector_for(kv, spec, args.protocol, args.max_region_mb, poll_writes)
+    direct_writes = {"default": None, "direct": True, "thread": False}[args.write_mode]
+    p_conn = connector_for(kv, spec, args.protocol, args.max_region_mb, direct_writes)
     p_conn.add_peer(peer)
     vocab = prefill.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=2)

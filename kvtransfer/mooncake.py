@@ -23,9 +23,12 @@ Facts this code relies on (mooncake-transfer-engine 0.3.13, measured on loopback
   keeps its peer's thread until the engine gives up; later writes to that peer wait
   behind it and time out at their own deadline, skipped unsent instead of piling up.
   A refused connection (peer gone) fails in about a millisecond.
-- Once a peer's segment is open, single-region submit / status calls never block: with
-  poll_writes (default for nvlink_intra) later writes skip the worker thread and its two
-  hand-offs (0.2-0.35 ms each on an H200 host; the 268 MB copy takes ~1 ms).
+- batch_transfer_sync_write releases the GIL and spins in C++ on the transfer status.
+  With direct_writes (default for nvlink_intra), writes to a peer that has answered
+  call it from the caller's thread, one at a time per peer, skipping the worker
+  thread's two hand-offs (0.2-0.35 ms each on an H200 host, against ~1 ms for a 268 MB
+  copy). Polling transfer_check_status from Python would take the GIL thousands of
+  times a second from the engine thread that needs it.
 - The first write to a peer handshakes while holding the engine's global mutex: a hung
   peer would stall writes to all peers. send_probe() takes no such lock, so a new peer
   is probed first (sub-millisecond when healthy).
@@ -47,7 +50,6 @@ from typing import Any
 
 from kvtransfer.connector import KVAgentInfo, KVConnector, KVTransferError
 from kvtransfer.layout import KVLayout, batched
-from kvtransfer.polled_write import PolledWrites
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class MooncakeConnector(KVConnector):
         memory_location: str = "*",
         max_batch: int = DEFAULT_MAX_BATCH,
         max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
-        poll_writes: bool | None = None,
+        direct_writes: bool | None = None,
     ):
         """hostname: address peers use to reach us (no port: the engine picks one).
         protocol: "tcp", "rdma" or "nvlink_intra". metadata: "P2PHANDSHAKE" (no server)
@@ -112,10 +114,11 @@ class MooncakeConnector(KVConnector):
         device_name: comma-separated RDMA NICs (e.g. "mlx5_0,mlx5_1"), "" for auto.
         memory_location: Mooncake location of the KV buffer ("*" = detect, "cpu:0",
         "cuda:0"). max_batch: requests per engine batch. max_region_bytes: larger
-        regions are split. poll_writes: once a peer has answered, submit its writes
-        from the calling thread and poll them (kvtransfer/polled_write.py) instead of
-        handing them to the peer's worker thread; None: only for nvlink_intra, where
-        the hand-offs cost a third of the copy and no per-peer queue limit applies."""
+        regions are split. direct_writes: once a peer has answered, make its engine calls
+        from the calling thread instead of the peer's worker thread; the caller's
+        deadline is then checked between batches only, so None means only for
+        nvlink_intra, where a copy into an open peer segment cannot hang and the
+        hand-offs cost a third of the copy."""
         super().__init__()
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
@@ -138,8 +141,8 @@ class MooncakeConnector(KVConnector):
             or max_region_bytes < 1
         ):
             raise ValueError(f"max_region_bytes must be a positive int, got {max_region_bytes!r}")
-        if poll_writes is not None and not isinstance(poll_writes, bool):
-            raise ValueError(f"poll_writes must be True, False or None, got {poll_writes!r}")
+        if direct_writes is not None and not isinstance(direct_writes, bool):
+            raise ValueError(f"direct_writes must be True, False or None, got {direct_writes!r}")
 
         if protocol == "nvlink_intra" and "MC_INTRANODE_NVLINK" not in os.environ:
             # Read when the engine installs its transports; without it Mooncake silently
@@ -153,7 +156,7 @@ class MooncakeConnector(KVConnector):
         self.memory_location = memory_location
         self.max_batch = max_batch
         self.max_region_bytes = max_region_bytes
-        self.poll_writes = protocol == "nvlink_intra" if poll_writes is None else poll_writes
+        self.direct_writes = protocol == "nvlink_intra" if direct_writes is None else direct_writes
 
         engine_cls = _import_engine()
         self._engine: Any = engine_cls()
@@ -177,7 +180,8 @@ class MooncakeConnector(KVConnector):
         self._peer_workers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
         self._handshaken: set[str] = set()  # peers the engine has a live segment for
         self._state_lock = threading.Lock()
-        self._polled = PolledWrites(self._engine)
+        self._direct_in_flight = 0  # direct engine calls running (close() waits for them)
+        self._direct_locks: dict[str, threading.Lock] = {}  # one direct write per peer
 
     # --- registration ----------------------------------------------------------------
     def register(self, base_addr: int, nbytes: int, layout: KVLayout) -> None:
@@ -221,8 +225,8 @@ class MooncakeConnector(KVConnector):
     def _write_regions(
         self, peer: KVAgentInfo, regions: list[tuple[int, int, int]], deadline: float
     ) -> int:
-        if self.poll_writes and peer.session_id in self._handshaken:
-            return self._write_polled(peer, regions, deadline)
+        if self.direct_writes and peer.session_id in self._handshaken:
+            return self._write_direct(peer, regions, deadline)
         batches = batched(regions, self.max_batch)
         result: dict[str, Any] = {}
         abandon = threading.Event()
@@ -327,15 +331,52 @@ class MooncakeConnector(KVConnector):
             code=result["rc"],
         )
 
-    def _write_polled(self, peer: KVAgentInfo, regions, deadline: float) -> int:
+    def _write_direct(self, peer: KVAgentInfo, regions, deadline: float) -> int:
+        batches = batched(regions, self.max_batch)
         with self._state_lock:
             if self._closed:
                 raise KVTransferError("connector is closed", peer=peer.session_id)
+            lock = self._direct_locks.setdefault(peer.session_id, threading.Lock())
+        # One write per peer at a time, as on the worker thread: the engine's sync call
+        # spins a core on the transfer status, and the link is shared anyway.
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise KVTransferError(
+                "KV write timed out waiting for an earlier transfer to this peer",
+                peer=peer.session_id,
+                timed_out=True,
+            )
+        with self._state_lock:
+            if self._closed:  # closed while we waited for the lock
+                lock.release()
+                raise KVTransferError("connector is closed", peer=peer.session_id)
+            self._direct_in_flight += 1
         try:
-            return self._polled.write(peer.session_id, regions, deadline)
-        except KVTransferError:
-            self._handshaken.discard(peer.session_id)  # the next write probes it first
-            raise
+            for i, batch in enumerate(batches):
+                if time.monotonic() >= deadline:
+                    raise KVTransferError(
+                        f"KV write timed out after {i} of {len(batches)} batches",
+                        peer=peer.session_id,
+                        timed_out=True,
+                    )
+                rc = self._engine.batch_transfer_sync_write(
+                    peer.session_id,
+                    [r[0] for r in batch],
+                    [r[1] for r in batch],
+                    [r[2] for r in batch],
+                )
+                if rc != 0:
+                    self._handshaken.discard(peer.session_id)  # the next write probes first
+                    raise KVTransferError(
+                        f"Mooncake batch_transfer_sync_write failed on batch {i + 1} of "
+                        f"{len(batches)}",
+                        peer=peer.session_id,
+                        code=rc,
+                    )
+            return len(batches)
+        finally:
+            with self._state_lock:
+                self._direct_in_flight -= 1
+            lock.release()
 
     # --- shutdown ------------------------------------------------------------------------
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
@@ -344,7 +385,7 @@ class MooncakeConnector(KVConnector):
         Every peer's worker thread is told to exit after the jobs already queued. Engine
         calls abandoned after a timeout may still be running on them; destroying the
         engine under them would crash the process, so we wait up to wait_s for the
-        threads (and for polled writes still running or abandoned) and otherwise keep
+        threads (and for direct writes still running) and otherwise keep
         the engine alive (leaked, logged) rather than risk it.
         """
         with self._state_lock:
@@ -358,8 +399,9 @@ class MooncakeConnector(KVConnector):
         end = time.monotonic() + wait_s
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
-        polled_done = self._polled.close(max(0.0, end - time.monotonic()))
-        if any(t.is_alive() for t in threads) or not polled_done:
+        while self._direct_in_flight and time.monotonic() < end:
+            time.sleep(0.01)
+        if any(t.is_alive() for t in threads) or self._direct_in_flight:
             log.warning(
                 "closing Mooncake connector %s with engine calls still running; "
                 "leaking the engine instead of destroying it under them",

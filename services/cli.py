@@ -120,6 +120,14 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         help="P2PHANDSHAKE or a metadata server URL (etcd://..., http://...)",
     )
     p.add_argument("--transfer-device", default="", help="RDMA device names, comma-separated")
+    p.add_argument(
+        "--transfer-write-mode",
+        default="auto",
+        choices=["auto", "direct", "thread"],
+        help="which thread calls the transfer engine for KV writes: the request's own "
+        "(direct) or a writer thread per peer that a timed-out call can be abandoned on; "
+        "auto: direct for nvlink_intra",
+    )
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     p.add_argument(
         "--drain-timeout",
@@ -163,6 +171,7 @@ def _cmd_worker(args) -> int:
         transfer_hostname=args.transfer_hostname,
         transfer_metadata=args.transfer_metadata,
         transfer_device=args.transfer_device,
+        transfer_write_mode=args.transfer_write_mode,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         drain_timeout_s=args.drain_timeout,
         fault_pause_mid_transfer_s=float(os.environ.get("PDSERVE_FAULT_PAUSE_MID_TRANSFER_S", 0)),

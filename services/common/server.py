@@ -18,7 +18,7 @@ from pdpb.v1 import common_pb2
 from services.common.engine_loop import EngineLoop
 from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
-from services.common.settings import WorkerSettings
+from services.common.settings import TRANSFER_WRITE_MODES, WorkerSettings
 from services.engine import EngineConfig, LLMEngine
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class WorkerContext:
             protocol=s.transfer_protocol,
             metadata=s.transfer_metadata,
             device_name=s.transfer_device,
+            direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
         )
         register_kv_cache(connector, kv, spec)
         self.engine, self.connector = engine, connector

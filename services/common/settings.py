@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 FAILURE_POLICIES = ("recompute", "fail")
 TRANSFER_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
+# which thread makes the prefill worker's KV write calls (kvtransfer/mooncake.py
+# direct_writes)
+TRANSFER_WRITE_MODES = {"auto": None, "direct": True, "thread": False}
 
 
 @dataclass
@@ -19,6 +22,7 @@ class WorkerSettings:
     transfer_hostname: str = "127.0.0.1"  # the address peers reach this worker's engine at
     transfer_metadata: str = "P2PHANDSHAKE"
     transfer_device: str = ""  # RDMA device names, comma-separated
+    transfer_write_mode: str = "auto"  # auto (direct for nvlink_intra), direct or thread
     kv_transfer_timeout_s: float = 30.0
     # decode side
     prefill_timeout_s: float = 60.0
@@ -38,6 +42,11 @@ class WorkerSettings:
         if self.transfer_protocol not in TRANSFER_PROTOCOLS:
             raise ValueError(
                 f"transfer_protocol must be one of {TRANSFER_PROTOCOLS}, got {self.transfer_protocol!r}"
+            )
+        if self.transfer_write_mode not in TRANSFER_WRITE_MODES:
+            raise ValueError(
+                f"transfer_write_mode must be one of {tuple(TRANSFER_WRITE_MODES)}, "
+                f"got {self.transfer_write_mode!r}"
             )
         if self.prefill_failure_policy not in FAILURE_POLICIES:
             raise ValueError(

@@ -326,7 +326,7 @@ def test_register_validation_and_close_is_idempotent():
         ({"max_batch": 0}, "max_batch"),
         ({"max_region_bytes": 0}, "max_region_bytes"),
         ({"hostname": "127.0.0.1:1234"}, "without port"),
-        ({"poll_writes": "yes"}, "poll_writes"),
+        ({"direct_writes": "yes"}, "direct_writes"),
     ],
 )
 def test_constructor_validation(kwargs, match):
@@ -334,14 +334,14 @@ def test_constructor_validation(kwargs, match):
         MooncakeConnector(**kwargs)
 
 
-def test_polled_writes_after_first_contact(pair):
-    """poll_writes: the first write to a peer goes through its worker thread (probe and
-    handshake), later ones are submitted and polled from the calling thread, exactly."""
+def test_direct_writes_after_first_contact(pair):
+    """direct_writes: the first write to a peer goes through its worker thread (probe and
+    handshake), later ones call the engine from the calling thread, batch by batch."""
     _, reader = pair
-    writer = Worker(256, seed=11, poll_writes=True)
+    writer = Worker(256, seed=11, direct_writes=True, max_batch=2)
     name = f"kv-write-{reader.info.session_id}"
     try:
-        assert MooncakeConnector(protocol="tcp").poll_writes is False  # the default
+        assert MooncakeConnector(protocol="tcp").direct_writes is False  # the default
         before = reader.digests()
         workers = len([t for t in threading.enumerate() if t.name == name])  # pair's own
         writer.conn.write_blocks(reader.info, [0], [4100], timeout_s=10)
@@ -350,12 +350,12 @@ def test_polled_writes_after_first_contact(pair):
         dst = [4200, 4201, 4202, 4300, 4400, 4500, 4502]
         calls = []
         writer.conn._engine = _Spy(writer.conn._engine, calls)
-        writer.conn._polled._engine = writer.conn._engine
         stats = writer.conn.write_blocks(reader.info, src, dst, timeout_s=10)
-        assert stats.num_regions == stats.num_batches == 5
-        assert [c[0] for c in calls] == [threading.current_thread().name] * 5
+        assert (stats.num_regions, stats.num_batches) == (5, 3)
+        assert [c[0] for c in calls] == [threading.current_thread().name] * 3
+        assert [len(c[1][1]) for c in calls] == [2, 2, 1]
         assert_copied(writer, reader, before, [0] + src, [4100] + dst)
-        # concurrent polled writes to one peer
+        # concurrent direct writes to one peer
         boxes = []
         jobs = [
             (list(range(i * 8, i * 8 + 8)), list(range(4600 - i * 8, 4608 - i * 8)))
@@ -381,8 +381,8 @@ def test_polled_writes_after_first_contact(pair):
         assert "exc" not in box and writer.conn._engine is None
 
 
-def test_polled_write_to_a_closed_peer_raises_and_reprobes():
-    writer = Worker(16, seed=12, poll_writes=True)
+def test_direct_write_to_a_closed_peer_raises_and_reprobes():
+    writer = Worker(16, seed=12, direct_writes=True)
     reader = Worker(16, seed=13)
     try:
         writer.conn.write_blocks(reader.info, [1], [2], timeout_s=10)
@@ -401,7 +401,7 @@ def test_polled_write_to_a_closed_peer_raises_and_reprobes():
 
 
 class _Spy:
-    """Records which thread submits each polled write (a test double for nothing but
+    """Records which thread makes each engine write call (a test double for nothing but
     the bookkeeping: every call goes to the real engine)."""
 
     def __init__(self, engine, calls):
@@ -410,6 +410,41 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def transfer_submit_write(self, *args):
+    def batch_transfer_sync_write(self, *args):
         self._calls.append((threading.current_thread().name, args))
-        return self._engine.transfer_submit_write(*args)
+        return self._engine.batch_transfer_sync_write(*args)
+
+
+def test_direct_writes_wait_their_turn_per_peer_within_the_deadline():
+    """One direct write per peer at a time: a write that cannot get its turn before its
+    deadline times out without touching the peer, and one still waiting when the
+    connector closes fails instead of calling a destroyed engine."""
+    writer = Worker(16, seed=14, direct_writes=True)
+    reader = Worker(16, seed=15)
+    try:
+        writer.conn.write_blocks(reader.info, [1], [2], timeout_s=10)  # first contact
+        before = reader.digests()
+        turn = writer.conn._direct_locks.setdefault(reader.info.session_id, threading.Lock())
+        turn.acquire()  # an earlier write to this peer is running
+        box = within(30, writer.conn.write_blocks, reader.info, [3], [4], timeout_s=0.3)
+        assert isinstance(box.get("exc"), KVTransferError) and box["exc"].timed_out, box
+        assert "earlier transfer" in str(box["exc"])
+        assert reader.digests() == before
+        waiting: dict = {}
+        t = threading.Thread(
+            target=lambda: waiting.update(
+                within(30, writer.conn.write_blocks, reader.info, [5], [6], timeout_s=20)
+            )
+        )
+        t.start()
+        time.sleep(0.2)
+        closed = within(30, writer.conn.close)
+        assert "exc" not in closed and writer.conn._engine is None
+        turn.release()
+        t.join(30)
+        assert isinstance(waiting.get("exc"), KVTransferError), waiting
+        assert "closed" in str(waiting["exc"])
+        assert reader.digests() == before
+    finally:
+        within(30, writer.conn.close)
+        within(30, reader.conn.close)
