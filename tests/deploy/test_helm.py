@@ -489,3 +489,18 @@ def test_bad_values_file_fails_early():
             chart.render(values, name=helm.RELEASE, namespace=helm.NAMESPACE, is_install=True)
     report = helm.lint(values)
     assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])
+
+
+def test_no_prefill_pool_runs_the_router_colocated():
+    """prefill.replicas 0: the router gets no prefill address (a headless Service with
+    no pods would leave it waiting for pairs forever) and runs colocated."""
+    docs = helm.render({"prefill": {"replicas": 0}})
+    assert find(docs, "Deployment", name("prefill"))["spec"]["replicas"] == 0
+    parsed, config = _router_cli(docs)
+    assert config.prefill == () and len(config.decode) == 1
+    from router.registry import WorkerRegistry
+
+    assert WorkerRegistry(config).colocated
+    # autoscaled prefill pools keep their address whatever replicas says
+    docs = helm.render({"prefill": {"replicas": 0, "autoscaling": {"enabled": True}}})
+    assert len(_router_cli(docs)[1].prefill) == 1
