@@ -52,7 +52,6 @@ class LocalPrefill:
 
     role = "prefill"
     address = ""
-    name = "local"
     load = None
 
     def __init__(self):

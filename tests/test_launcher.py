@@ -45,3 +45,14 @@ def test_bad_device_is_refused_before_starting(flag, capsys):
     assert main(["up", flag, "gpu0", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: 'gpu0' is not cpu, cuda or cuda:N" in err
+
+
+def test_hint_when_gpu_workers_would_move_kv_over_tcp():
+    from services.launcher import transport_hint
+
+    gpus = plan_workers(_args(prefill_device="cuda:0", decode_device="cuda:1"))
+    assert "nvlink_intra" in transport_hint(gpus, [])
+    assert transport_hint(gpus, ["--transfer-protocol", "nvlink_intra"]) is None
+    assert transport_hint(gpus, ["--transfer-protocol=rdma"]) is None
+    assert transport_hint(plan_workers(_args()), []) is None  # CPU
+    assert transport_hint(plan_workers(_args(prefill=0, device="cuda")), []) is None
