@@ -3,10 +3,13 @@ reporting time to first token (TTFT), time per output token after the first (TPO
 inter-token latency (ITL, between streamed chunks), end-to-end latency and throughput,
 as vLLM's and SGLang's serving benchmarks do.
 
-Prompts are random token ids (each request its own, so the prefix cache does not help),
-answers run to exactly --output-len tokens (ignore_eos). Requests start at
---request-rate per second (Poisson arrivals; inf: all at once), at most
---max-concurrency in flight.
+Prompts are random token ids, each request its own unless --shared-prefix-len gives
+them a common start (the prefix cache and prefix_aware routing then help; the cached
+prompt tokens are reported). Answers run to exactly --output-len tokens (ignore_eos).
+Requests start at --request-rate per second (Poisson arrivals; inf: all at once), at
+most --max-concurrency in flight. When the server is pdserve's router, the means of its
+own histograms over the run split TTFT into queueing, prefill and KV transfer (they
+count every client's requests, so run the benchmark alone).
 
     python benchmarks/serving_bench.py --base-url http://127.0.0.1:8000 \\
         --num-prompts 200 --input-len 1024 --output-len 128 --max-concurrency 16
@@ -35,6 +38,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between text chunks
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
 
 
@@ -60,8 +64,11 @@ async def _one_request(
                     res.error = json.dumps(chunk["error"])[:300]
                     return res
                 if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    res.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if res.ttft == 0.0:
@@ -95,6 +102,45 @@ def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     }
 
 
+# pdserve router histograms whose means split a request's time on the server
+_SERVER_HISTOGRAMS = ("time_to_first_token", "queue_time", "prefill_time", "kv_transfer_time")
+
+
+async def server_histograms(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """(sum, count) of the router's histograms, or None when the server has no such
+    /metrics (not pdserve's router)."""
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("pdserve_router_") and name.endswith(("_seconds_sum", "_seconds_count")):
+            values[name] = float(value)
+    found = {}
+    for h in _SERVER_HISTOGRAMS:
+        base = f"pdserve_router_{h}_seconds"
+        if f"{base}_count" in values:
+            found[h] = (values[f"{base}_sum"], values[f"{base}_count"])
+    return found or None
+
+
+def _server_means(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """Mean milliseconds per histogram between two scrapes (None: not available)."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for h, (total, count) in after.items():
+        total0, count0 = before.get(h, (0.0, 0.0))
+        if count > count0:
+            means[f"{h}_ms"] = (total - total0) / (count - count0) * 1e3
+    return means
+
+
 async def first_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
     async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
         resp.raise_for_status()
@@ -111,6 +157,7 @@ async def run_benchmark(
     request_rate: float = math.inf,
     model: str | None = None,
     token_range: tuple[int, int] = (100, 10000),
+    shared_prefix_len: int = 0,
     seed: int = 0,
     api_key: str | None = None,
     timeout_s: float = 600.0,
@@ -129,9 +176,13 @@ async def run_benchmark(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if warmup < 0:
         raise ValueError("warmup must be >= 0")
+    if not 0 <= shared_prefix_len <= input_len:
+        raise ValueError("shared_prefix_len must be in [0, input_len]")
     rng = random.Random(seed)
+    prefix = [rng.randrange(*token_range) for _ in range(shared_prefix_len)]
     prompts = [
-        [rng.randrange(*token_range) for _ in range(input_len)] for _ in range(warmup + num_prompts)
+        prefix + [rng.randrange(*token_range) for _ in range(input_len - shared_prefix_len)]
+        for _ in range(warmup + num_prompts)
     ]
     warmup_prompts, prompts = prompts[:warmup], prompts[warmup:]
     gaps = [
@@ -163,6 +214,7 @@ async def run_benchmark(
             if not res.ok:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
 
+        metrics_before = await server_histograms(session, base_url)
         start = time.perf_counter()
         tasks = []
         for prompt, gap in zip(prompts, gaps, strict=True):
@@ -171,6 +223,7 @@ async def run_benchmark(
             tasks.append(asyncio.create_task(send(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        metrics_after = await server_histograms(session, base_url)
 
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
@@ -180,6 +233,7 @@ async def run_benchmark(
         "num_prompts": num_prompts,
         "input_len": input_len,
         "output_len": output_len,
+        "shared_prefix_len": shared_prefix_len,
         "max_concurrency": max_concurrency,
         "request_rate": request_rate,
         "completed": len(done),
@@ -195,6 +249,8 @@ async def run_benchmark(
         ),
         "itl_ms": _percentiles([x for r in done for x in r.itl]),
         "e2e_ms": _percentiles([r.e2e for r in done]),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+        "server_ms": _server_means(metrics_before, metrics_after),
         "requests": [asdict(r) | {"itl": len(r.itl)} for r in results],
     }
 
@@ -221,6 +277,14 @@ def format_summary(s: dict) -> str:
             f"{name:5s} ms  mean {p['mean']:9.2f}  median {p['median']:9.2f}  "
             f"p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}"
         )
+    if s["shared_prefix_len"]:
+        prompt_tokens = s["completed"] * s["input_len"]
+        lines.append(f"cached prompt tokens {s['cached_prompt_tokens']} of {prompt_tokens}")
+    if s["server_ms"]:
+        lines.append(
+            "router means ms  "
+            + "  ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in s["server_ms"].items())
+        )
     return "\n".join(lines)
 
 
@@ -237,6 +301,9 @@ def main() -> None:
         "--token-range",
         default="100,10000",
         help="prompt token ids are drawn from [lo, hi) (must be valid for the model)",
+    )
+    ap.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
@@ -255,6 +322,7 @@ def main() -> None:
             request_rate=args.request_rate,
             model=args.model,
             token_range=(lo, hi),
+            shared_prefix_len=args.shared_prefix_len,
             seed=args.seed,
             api_key=args.api_key,
             timeout_s=args.timeout,

@@ -95,7 +95,8 @@ class RouterMetrics:
         )
         self.queue = Histogram(
             "pdserve_router_queue_time_seconds",
-            "time queued on the workers (worker Timings)",
+            "time of a remote prefill call outside compute and KV transfer: queueing and "
+            "gRPC (worker Timings)",
             buckets=_LATENCY,
             registry=r,
         )
@@ -127,8 +128,8 @@ class RouterMetrics:
 
     def observe_timings(self, timings) -> None:
         """A finished choice's worker Timings (pdpb.v1.Timings)."""
-        self.queue.observe(timings.queue_seconds)
-        if timings.prefill_seconds:
+        if timings.prefill_seconds:  # a remote prefill ran (colocated: none of these)
+            self.queue.observe(timings.queue_seconds)
             self.prefill.observe(timings.prefill_seconds)
         if timings.kv_transfer_seconds:
             self.kv_transfer.observe(timings.kv_transfer_seconds)

@@ -436,6 +436,20 @@ def test_serving_benchmark_against_real_workers(router, pair):
         assert 0 < r["ttft"] < r["e2e"] and r["itl"] >= 1
     assert 0 < s["ttft_ms"]["median"] <= s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
     assert s["output_throughput"] > 0 and s["tpot_ms"]["mean"] > 0
+    # the router's own histograms over exactly these requests split the TTFT
+    server = s["server_ms"]
+    assert server["prefill_time_ms"] > 0 and server["kv_transfer_time_ms"] > 0
+    assert server["time_to_first_token_ms"] > server["prefill_time_ms"]
+    assert s["cached_prompt_tokens"] == 0  # every prompt its own
+
+    # a shared 32-token prefix (two blocks) is cached after the warm-up request
+    shared = asyncio.run(
+        run_benchmark(
+            router.url, num_prompts=4, input_len=40, output_len=4, shared_prefix_len=32, seed=2
+        )
+    )
+    assert (shared["completed"], shared["failed"]) == (4, 0), shared["first_error"]
+    assert shared["cached_prompt_tokens"] == 4 * 32
 
     too_long = router.state.registry.max_model_len() + 1
     bad = asyncio.run(
@@ -468,6 +482,8 @@ def test_router_without_prefill_workers_runs_colocated(pair, colocated):
         )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == ref
         assert prefill.load().kv_transfers_ok == transfers  # the prefill worker was not used
+        assert _metric(r, "pdserve_router_prefill_time_seconds_count") == 0
+        assert _metric(r, "pdserve_router_queue_time_seconds_count") == 0
 
         added = http(
             "POST", r.url + "/admin/workers", {"role": "prefill", "address": prefill.address}
@@ -480,4 +496,12 @@ def test_router_without_prefill_workers_runs_colocated(pair, colocated):
         out = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12)
         assert out.choices[0].text == ref
         assert prefill.load().kv_transfers_ok == transfers + 1
+        assert _metric(r, "pdserve_router_queue_time_seconds_count") == 1
     assert_all_blocks_free(pair)
+
+
+def _metric(r: RouterThread, name: str) -> float:
+    for line in http("GET", r.url + "/metrics").body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
