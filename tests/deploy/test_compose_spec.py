@@ -125,6 +125,11 @@ def test_gpu_override():
         # kept from the base file: healthcheck, cache volume, CPU-side env
         assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{port}"
         assert compose.environment(svc)["PDSERVE_CACHE_DIR"] == "/var/cache/pdserve"
+        # compiled Triton kernels persist on the mounted cache volume
+        cache_mounts = [v for v in svc["volumes"] if str(v).endswith(":/var/cache/pdserve")]
+        assert cache_mounts and compose.environment(svc)["TRITON_CACHE_DIR"].startswith(
+            "/var/cache/pdserve/"
+        )
         args_declared = {
             rest.split("=")[0]
             for _, instrs in compose.dockerfile_stages()

@@ -504,3 +504,21 @@ def test_no_prefill_pool_runs_the_router_colocated():
     # autoscaled prefill pools keep their address whatever replicas says
     docs = helm.render({"prefill": {"replicas": 0, "autoscaling": {"enabled": True}}})
     assert len(_router_cli(docs)[1].prefill) == 1
+
+
+@pytest.mark.parametrize("cache_type", ["image", "emptyDir", "pvc"])
+def test_triton_kernels_cached_on_the_model_cache_volume(cache_type):
+    """A writable model cache (emptyDir, pvc) also keeps the compiled Triton kernels, so
+    a pvc shares them between pods; the image's read-only copy leaves Triton's default."""
+    cache = {"type": cache_type, "path": "/cache"}
+    if cache_type == "pvc":
+        cache["claimName"] = "models"
+    docs = helm.render({"model": {"cache": cache}})
+    for role in ("prefill", "decode"):
+        c = container(find(docs, "Deployment", name(role)))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        if cache_type == "image":
+            assert "TRITON_CACHE_DIR" not in env
+        else:
+            assert env["TRITON_CACHE_DIR"] == "/cache/triton" and "/cache" in mounts

@@ -195,6 +195,12 @@ spec:
             # image's read-only copy, so container restarts skip the measurement
             - name: PDSERVE_KERNEL_TUNING_DIR
               value: /home/pdserve/kernel_tuning
+            {{- if ne $v.model.cache.type "image" }}
+            # compiled Triton kernels on the model cache volume: with a pvc, compiled once
+            # for every pod instead of during each new pod's first requests
+            - name: TRITON_CACHE_DIR
+              value: {{ printf "%s/triton" $v.model.cache.path | quote }}
+            {{- end }}
             - name: GLOG_minloglevel
               value: {{ $v.kvTransfer.logLevel | toString | quote }}
             - name: TOKENIZERS_PARALLELISM
