@@ -56,3 +56,54 @@ def test_hint_when_gpu_workers_would_move_kv_over_tcp():
     assert transport_hint(gpus, ["--transfer-protocol=rdma"]) is None
     assert transport_hint(plan_workers(_args()), []) is None  # CPU
     assert transport_hint(plan_workers(_args(prefill=0, device="cuda")), []) is None
+
+
+def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
+    """`pdserve up --prefill 0`: one decode worker that prefills itself behind the router
+    (real processes); a completion equals the colocated engine's, SIGTERM stops all."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    from services.engine import LLM, SamplingParams
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(default_model_dir)]
+    cmd += ["--port", str(port), "--prefill", "0", "--decode", "1"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("pdserve is ready"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(180), "".join(lines[-30:])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        [model] = [m.id for m in client.models.list().data]
+        out = client.completions.create(
+            model=model, prompt="The capital of France is", temperature=0, max_tokens=8
+        )
+        params = SamplingParams(temperature=0, max_tokens=8)
+        ref = LLM(str(default_model_dir)).generate(["The capital of France is"], params)[0]
+        assert out.choices[0].text == ref.output.text
+        assert any("colocated" in line for line in lines), "".join(lines[-30:])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
