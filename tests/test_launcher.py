@@ -4,6 +4,7 @@ process starts."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -101,6 +102,13 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
         ref = LLM(str(default_model_dir)).generate(["The capital of France is"], params)[0]
         assert out.choices[0].text == ref.output.text
         assert any("colocated" in line for line in lines), "".join(lines[-30:])
+        # the decode worker's own report: every KV block free again
+        from tests.workers.procs import Worker
+
+        announce = next(line for line in lines if line.startswith("[decode-0] PDSERVE "))
+        address = json.loads(announce.split("PDSERVE ", 1)[1])["address"]
+        report = Worker("decode", proc, address).wait_all_blocks_free(timeout=5)
+        assert report.num_free_blocks == report.num_total_blocks > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines[-30:])
     finally:
