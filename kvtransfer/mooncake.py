@@ -420,5 +420,6 @@ class MooncakeConnector(KVConnector):
     def __repr__(self) -> str:
         return (
             f"MooncakeConnector(session_id={self.session_id!r}, protocol={self.protocol!r}, "
+            f"writes={'direct' if self.direct_writes else 'thread'!r}, "
             f"registered={self._info is not None}, closed={self._closed})"
         )

@@ -52,6 +52,7 @@ class WorkerContext:
             direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
         )
         register_kv_cache(connector, kv, spec)
+        log.info("KV transfer: %r", connector)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
         self.loop.start()

@@ -237,3 +237,30 @@ def test_prefill_timeout_recomputes_and_stops_the_late_writer(model, colocated):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_direct_write_mode_over_tcp(model, colocated):
+    """--transfer-write-mode direct (the nvlink_intra default) reaches the connector and
+    works in the real service: concurrent requests, the KV written from the handlers'
+    own threads after the first contact, the colocated engine's tokens."""
+    prefill = start_worker("prefill", "--transfer-write-mode", "direct", model=model)
+    decode = start_worker("decode", model=model)
+    try:
+        assert prefill.wait_for_log("writes='direct'", 10), prefill.log[-20:]
+        assert decode.wait_for_log("writes='thread'", 10), decode.log[-20:]  # tcp default
+        prompts = [
+            colocated.tokenizer.encode(f"Direct write {i}: count to {i + 3}.") for i in range(8)
+        ]
+        refs = expected(colocated, prompts)
+        assert generate(decode, prompts[0], prefill)[0] == refs[0]  # first contact
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: generate(decode, p, prefill)[0], prompts))
+        assert results == refs
+        report = prefill.load()
+        assert report.kv_transfers_ok == 9 and report.kv_transfers_failed == 0
+        for w in (prefill, decode):
+            r = w.wait_all_blocks_free()
+            assert r.num_free_blocks == r.num_total_blocks
+    finally:
+        prefill.stop()
+        decode.stop()
