@@ -256,18 +256,10 @@ class MooncakeConnector(KVConnector):
                     if abandon.is_set() or time.monotonic() >= deadline:
                         result["late"] = i
                         return
-                    rc = self._engine.batch_transfer_sync_write(
-                        peer.session_id,
-                        [r[0] for r in batch],
-                        [r[1] for r in batch],
-                        [r[2] for r in batch],
-                    )
+                    rc = self._write_batch(peer.session_id, batch)
                     if rc != 0:
-                        # Mooncake may have dropped the segment: probe again next time
-                        self._handshaken.discard(peer.session_id)
                         result["rc"], result["batch"] = rc, i
                         return
-                    self._handshaken.add(peer.session_id)
                 result["ok"] = True
             except BaseException as exc:  # surfaced to the caller below
                 result["exc"] = exc
@@ -331,6 +323,18 @@ class MooncakeConnector(KVConnector):
             code=result["rc"],
         )
 
+    def _write_batch(self, session_id: str, batch: list[tuple[int, int, int]]) -> int:
+        """One blocking engine call for a batch of regions; returns Mooncake's rc."""
+        rc = self._engine.batch_transfer_sync_write(
+            session_id, [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch]
+        )
+        if rc != 0:
+            # Mooncake may have dropped the segment: probe again before the next write
+            self._handshaken.discard(session_id)
+        else:
+            self._handshaken.add(session_id)
+        return rc
+
     def _write_direct(self, peer: KVAgentInfo, regions, deadline: float) -> int:
         batches = batched(regions, self.max_batch)
         with self._state_lock:
@@ -358,14 +362,8 @@ class MooncakeConnector(KVConnector):
                         peer=peer.session_id,
                         timed_out=True,
                     )
-                rc = self._engine.batch_transfer_sync_write(
-                    peer.session_id,
-                    [r[0] for r in batch],
-                    [r[1] for r in batch],
-                    [r[2] for r in batch],
-                )
+                rc = self._write_batch(peer.session_id, batch)
                 if rc != 0:
-                    self._handshaken.discard(peer.session_id)  # the next write probes first
                     raise KVTransferError(
                         f"Mooncake batch_transfer_sync_write failed on batch {i + 1} of "
                         f"{len(batches)}",
