@@ -34,6 +34,8 @@ class KVTransferError(RuntimeError):
 
     ``peer`` is the peer's session id, ``code`` the backend return code (None when the
     failure was not a backend call, e.g. a timeout), ``timed_out`` tells timeouts apart.
+    ``in_flight``, when not None, is set once a backend call that the caller walked away
+    from has returned: until then it may still write into the peer's blocks.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class KVTransferError(RuntimeError):
         peer: str | None = None,
         code: int | None = None,
         timed_out: bool = False,
+        in_flight: threading.Event | None = None,
     ):
         context = [f"peer={peer}"] if peer is not None else []
         if code is not None:
@@ -51,6 +54,7 @@ class KVTransferError(RuntimeError):
         self.peer = peer
         self.code = code
         self.timed_out = timed_out
+        self.in_flight = in_flight
 
 
 def _split_session_id(session_id: str) -> tuple[str, int]:

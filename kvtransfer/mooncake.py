@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from kvtransfer.connector import KVAgentInfo, KVConnector, KVTransferError
+from kvtransfer.faults import TransferFaults
 from kvtransfer.layout import KVLayout, batched
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class MooncakeConnector(KVConnector):
         max_batch: int = DEFAULT_MAX_BATCH,
         max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
         direct_writes: bool | None = None,
+        faults: TransferFaults | None = None,
     ):
         """hostname: address peers use to reach us (no port: the engine picks one).
         protocol: "tcp", "rdma" or "nvlink_intra". metadata: "P2PHANDSHAKE" (no server)
@@ -118,7 +120,8 @@ class MooncakeConnector(KVConnector):
         from the calling thread instead of the peer's worker thread; the caller's
         deadline is then checked between batches only, so None means only for
         nvlink_intra, where a copy into an open peer segment cannot hang and the
-        hand-offs cost a third of the copy."""
+        hand-offs cost a third of the copy. faults: injected on purpose by tests
+        (kvtransfer/faults.py); None injects nothing."""
         super().__init__()
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
@@ -143,6 +146,8 @@ class MooncakeConnector(KVConnector):
             raise ValueError(f"max_region_bytes must be a positive int, got {max_region_bytes!r}")
         if direct_writes is not None and not isinstance(direct_writes, bool):
             raise ValueError(f"direct_writes must be True, False or None, got {direct_writes!r}")
+        if faults is not None and not isinstance(faults, TransferFaults):
+            raise ValueError(f"faults must be a TransferFaults, got {type(faults).__name__}")
 
         if protocol == "nvlink_intra" and "MC_INTRANODE_NVLINK" not in os.environ:
             # Read when the engine installs its transports; without it Mooncake silently
@@ -157,6 +162,9 @@ class MooncakeConnector(KVConnector):
         self.max_batch = max_batch
         self.max_region_bytes = max_region_bytes
         self.direct_writes = protocol == "nvlink_intra" if direct_writes is None else direct_writes
+        self.faults = faults or TransferFaults()
+        if self.faults.active:
+            log.warning("KV transfer fault injection is on: %s", self.faults)
 
         engine_cls = _import_engine()
         self._engine: Any = engine_cls()
@@ -290,6 +298,7 @@ class MooncakeConnector(KVConnector):
                     "destination blocks are undefined",
                     peer=peer.session_id,
                     timed_out=True,
+                    in_flight=done,
                 )
             result["busy"] = True  # still queued behind an earlier transfer
         if result.get("ok"):
@@ -325,6 +334,9 @@ class MooncakeConnector(KVConnector):
 
     def _write_batch(self, session_id: str, batch: list[tuple[int, int, int]]) -> int:
         """One blocking engine call for a batch of regions; returns Mooncake's rc."""
+        if self.faults.write_delay_s:
+            log.warning("fault injection: delaying a write by %.1fs", self.faults.write_delay_s)
+            time.sleep(self.faults.write_delay_s)
         rc = self._engine.batch_transfer_sync_write(
             session_id, [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch]
         )

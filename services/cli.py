@@ -156,6 +156,7 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
 def _cmd_worker(args) -> int:
     import logging
 
+    from kvtransfer.faults import TransferFaults
     from services.common.settings import WorkerSettings
 
     logging.basicConfig(
@@ -175,6 +176,7 @@ def _cmd_worker(args) -> int:
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         drain_timeout_s=args.drain_timeout,
         fault_pause_mid_transfer_s=float(os.environ.get("PDSERVE_FAULT_PAUSE_MID_TRANSFER_S", 0)),
+        transfer_faults=TransferFaults.from_env(),
         **(
             {}
             if role == "prefill"

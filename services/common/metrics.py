@@ -27,6 +27,12 @@ class WorkerMetrics:
             ["policy"],
             registry=self.registry,
         )
+        self.unconfirmed_aborts = Counter(
+            "pdserve_unconfirmed_aborts",
+            "Aborts of a remote prefill that the live prefill worker did not confirm in time "
+            "(its blocks were reused while a write could still land)",
+            registry=self.registry,
+        )
         self.running = Gauge(
             "pdserve_running_requests", "Running sequences", registry=self.registry
         )
@@ -44,6 +50,9 @@ class WorkerMetrics:
     def count_fallback(self, policy: str) -> None:
         self.prefill_fallbacks.labels(policy).inc()
         self.num_prefill_fallbacks += 1
+
+    def count_unconfirmed_abort(self) -> None:
+        self.unconfirmed_aborts.inc()
 
     def update_load(self, stats: dict) -> None:
         self.running.set(stats["num_running"])

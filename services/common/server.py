@@ -50,6 +50,7 @@ class WorkerContext:
             metadata=s.transfer_metadata,
             device_name=s.transfer_device,
             direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
+            faults=s.transfer_faults,
         )
         register_kv_cache(connector, kv, spec)
         log.info("KV transfer: %r", connector)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvtransfer.faults import TransferFaults
 
 FAILURE_POLICIES = ("recompute", "fail")
 TRANSFER_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 # which thread makes the prefill worker's KV write calls (kvtransfer/mooncake.py
 # direct_writes)
 TRANSFER_WRITE_MODES = {"auto": None, "direct": True, "thread": False}
+# How long a prefill worker waits for a KV write it walked away from at its deadline
+# (the engine call may still be writing): Mooncake's TCP transport gives up after 30 s
+# (MC_TCP_PROGRESS_TIMEOUT_SEC).
+ABANDONED_WRITE_WAIT_S = 45.0
 
 
 @dataclass
@@ -33,6 +39,15 @@ class WorkerSettings:
     # Fault injection for tests only (env PDSERVE_FAULT_PAUSE_MID_TRANSFER_S): the prefill
     # worker writes half of a request's blocks, pauses this long, then writes the rest.
     fault_pause_mid_transfer_s: float = 0.0
+    # Faults inside the transfer engine's writes (env PDSERVE_FAULT_*, kvtransfer/faults.py)
+    transfer_faults: TransferFaults = field(default_factory=TransferFaults)
+
+    @property
+    def abort_timeout_s(self) -> float:
+        """The longest a prefill worker's Abort may take to confirm that no write can
+        land any more: its transfer deadline plus the wait for an abandoned engine call
+        (both roles are assumed to run the same --kv-transfer-timeout)."""
+        return self.kv_transfer_timeout_s + ABANDONED_WRITE_WAIT_S + 5.0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

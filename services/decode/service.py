@@ -19,7 +19,6 @@ from services.common.server import WorkerContext, load_report, require_ready
 from services.engine import NoFreeBlocksError, RequestOutput
 
 log = logging.getLogger(__name__)
-_ABORT_CALL_TIMEOUT_S = 5.0
 
 
 class PrefillPeers:
@@ -227,8 +226,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             log.warning(
                 "request %s: prefill on %s failed (%s); policy %s", rid, address, detail, policy
             )
+            # Either way the prefill worker may still be writing into the reserved
+            # blocks: stop it, and wait until no write can land, before they are
+            # recomputed here or freed by the caller's finally.
+            await self._abort_remote(address, rid)
             if policy == "fail":
-                await self._abort_remote(address, rid)
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} failed: {detail}"
                 )
@@ -261,14 +263,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await asyncio.sleep(0.05)
 
     async def _abort_remote(self, address: str, rid: str) -> None:
+        """Returns once the prefill worker can no longer write into rid's blocks."""
         try:
             await self.peers.stub(address).Abort(
-                common_pb2.AbortRequest(request_id=rid), timeout=_ABORT_CALL_TIMEOUT_S
+                common_pb2.AbortRequest(request_id=rid), timeout=self.ctx.settings.abort_timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            # A dead prefill worker writes nothing more; a live but stuck one is bounded
-            # by its own transfer timeout.
-            log.info("request %s: abort on %s: %s", rid, address, e.code().name)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # gone (or refusing calls): a dead prefill worker writes nothing more
+                log.info("request %s: abort on %s: %s", rid, address, e.code().name)
+                return
+            # alive but not confirming: counted, so a stuck peer does not go unseen
+            self.ctx.metrics.count_unconfirmed_abort()
+            log.warning(
+                "request %s: abort on %s not confirmed (%s: %s); its blocks are reused anyway",
+                rid,
+                address,
+                e.code().name,
+                e.details(),
+            )
 
     def _response(self, out: RequestOutput, sent_tokens: int, sent_chars: int, params):
         completion = out.output

@@ -14,9 +14,27 @@ from kvtransfer import KVAgentInfo, KVLayoutMismatch, KVTransferError, TransferS
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
 from services.common.server import WorkerContext, load_report, require_ready
+from services.common.settings import ABANDONED_WRITE_WAIT_S
 
 log = logging.getLogger(__name__)
 _ABORTED_TTL_S = 300.0
+
+
+async def _uncancellable(task: asyncio.Future):
+    """Await task to its end through any number of cancellations, then re-raise the
+    first cancellation (if any): for work that must finish before we let go."""
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the task itself was cancelled
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -150,20 +168,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return stats
 
     async def _write(self, peer, src, dst, timeout):
+        """Returns, or raises, only once this write can no longer change the decode
+        worker's blocks: the decode worker reuses them as soon as we answer or Abort
+        returns."""
         task = asyncio.ensure_future(
             asyncio.to_thread(self.ctx.connector.write_blocks, peer, src, dst, timeout)
         )
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The caller is gone, but the write is still reading our blocks: wait for it
-            # (through repeated cancellations) before the blocks can be freed and reused.
-            while not task.done():
-                try:
-                    await asyncio.wait([task])
-                except asyncio.CancelledError:
-                    continue
-            raise
+            return await _uncancellable(task)
+        finally:
+            # A write past its deadline was walked away from, but the engine call may
+            # still be writing: wait for it too (Mooncake gives up on its own).
+            exc = task.exception() if task.done() and not task.cancelled() else None
+            if isinstance(exc, KVTransferError) and exc.in_flight is not None:
+                await _uncancellable(
+                    asyncio.ensure_future(
+                        asyncio.to_thread(exc.in_flight.wait, ABANDONED_WRITE_WAIT_S)
+                    )
+                )
+                if not exc.in_flight.is_set():
+                    self.ctx.metrics.requests.labels("write_still_running").inc()
+                    log.error(
+                        "an abandoned KV write to %s is still running after %.0fs",
+                        peer.session_id,
+                        ABANDONED_WRITE_WAIT_S,
+                    )
 
     async def Abort(self, request, context):
         """Returns once nothing of the request can still write to the decode worker."""
@@ -175,7 +204,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return common_pb2.AbortResponse(found=False)
         task, done = entry
         task.cancel()  # the handler aborts the engine request; a write in flight finishes
-        await asyncio.wait_for(done.wait(), self.ctx.settings.kv_transfer_timeout_s + 5)
+        await asyncio.wait_for(done.wait(), self.ctx.settings.abort_timeout_s)
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):

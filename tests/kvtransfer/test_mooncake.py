@@ -448,3 +448,39 @@ def test_direct_writes_wait_their_turn_per_peer_within_the_deadline():
     finally:
         within(30, writer.conn.close)
         within(30, reader.conn.close)
+
+
+def test_a_write_walked_away_from_reports_when_it_has_landed():
+    """A write past its deadline still lands later (the injected delay stands for a slow
+    link): the error carries an event that is set only once the engine call is over, so
+    a caller can wait until nothing more can land."""
+    from kvtransfer.faults import TransferFaults
+
+    writer = Worker(8, seed=5, faults=TransferFaults(write_delay_s=1.5))
+    reader = Worker(8, seed=6)
+    try:
+        before = reader.digests()
+        with pytest.raises(KVTransferError) as err:
+            writer.conn.write_blocks(reader.info, [0, 1], [4, 5], timeout_s=0.3)
+        assert err.value.timed_out and err.value.in_flight is not None
+        assert not err.value.in_flight.is_set()
+        assert reader.digests() == before  # not yet
+        assert err.value.in_flight.wait(10)
+        assert_copied(writer, reader, before, [0, 1], [4, 5])  # landed after the error
+    finally:
+        writer.conn.close()
+        reader.conn.close()
+
+
+def test_transfer_faults_from_env(monkeypatch):
+    from kvtransfer.faults import WRITE_DELAY_ENV, TransferFaults
+
+    monkeypatch.delenv(WRITE_DELAY_ENV, raising=False)
+    assert not TransferFaults.from_env().active
+    monkeypatch.setenv(WRITE_DELAY_ENV, "2.5")
+    assert TransferFaults.from_env().write_delay_s == 2.5
+    monkeypatch.setenv(WRITE_DELAY_ENV, "soon")
+    with pytest.raises(ValueError, match=WRITE_DELAY_ENV):
+        TransferFaults.from_env()
+    with pytest.raises(ValueError, match="write_delay_s"):
+        TransferFaults(write_delay_s=-1)
