@@ -392,7 +392,8 @@ def test_api_key_value_admin_secret_and_amd_gpus():
 
 def test_prefill_and_decode_are_twins():
     """One helper renders both pools: their Deployments differ only by role, port and the
-    decode-only flags; their values and schema sections have the same keys."""
+    decode-only flags; their values sections have the same keys and one schema definition
+    validates both."""
     docs = helm.render()
     p, d = (find(docs, "Deployment", name(r)) for r in ("prefill", "decode"))
     decode_only = ["--prefill-timeout", "--prefill-failure-policy", "--reserve-timeout"]
@@ -414,26 +415,39 @@ def test_prefill_and_decode_are_twins():
     assert set(values["decode"]) - set(values["prefill"]) == extras
     assert set(values["prefill"]) == set(values["decode"]) - extras
     schema = json.loads((helm.CHART / "values.schema.json").read_text())
-    props = {r: schema["properties"][r]["properties"] for r in ("prefill", "decode")}
-    assert set(props["decode"]) - set(props["prefill"]) == extras
-    for key in props["prefill"]:
-        if key != "replicas":  # decode needs at least one
-            assert props["prefill"][key] == props["decode"][key], key
+    pool = schema["definitions"]["workerPool"]
+    assert set(pool["properties"]) == set(values["decode"])
+    assert pool["additionalProperties"] is False
+    prefill, decode = (schema["properties"][r] for r in ("prefill", "decode"))
+    for section in (prefill, decode):
+        assert section["allOf"] == [{"$ref": "#/definitions/workerPool"}]
+        assert set(section) <= {"description", "allOf", "properties", "required"}
+    # the role differences: prefill refuses the decode-only keys, decode requires them
+    # and at least one replica
+    assert prefill["properties"] == dict.fromkeys(extras, False)
+    assert "required" not in prefill
+    assert set(decode["required"]) == extras
+    assert set(decode["properties"]) == {"replicas"}
+    assert decode["properties"]["replicas"]["minimum"] == 1
 
 
 def test_every_value_is_documented():
     schema = json.loads((helm.CHART / "values.schema.json").read_text())
     undocumented = []
 
-    def walk(node: dict, path: str) -> None:
+    def walk(node: dict | bool, path: str) -> None:
+        if isinstance(node, bool):  # false: a key refused there (decode-only in prefill)
+            return
         for key, sub in (node.get("properties") or {}).items():
-            if not sub.get("description"):
+            if isinstance(sub, dict) and not sub.get("description"):
                 undocumented.append(f"{path}.{key}")
             walk(sub, f"{path}.{key}")
         if isinstance(node.get("items"), dict):
             walk(node["items"], f"{path}[]")
 
     walk(schema, "")
+    for key, definition in schema["definitions"].items():  # what the $refs point to
+        walk(definition, f"#/definitions/{key}")
     assert undocumented == []
     # and every default value is covered by the schema (additionalProperties: false)
     values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
@@ -452,6 +466,8 @@ BAD = [
     ({"prefill": {"hugepages": {"size": "4Mi"}}}, "/prefill/hugepages/size"),
     ({"model": {"source": "pvc"}}, "claimName"),
     ({"model": {"source": "s3"}}, "/model/source"),
+    ({"model": {"pvc": {"subPath": "/abs"}}}, "/model/pvc/subPath"),
+    ({"model": {"pvc": {"subPath": "a/../b"}}}, "/model/pvc/subPath': 'not' failed"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"prefill": {"engine": {"kernelBackend": "cudnn"}}}, "/prefill/engine/kernelBackend"),
     ({"decode": {"engine": {"enforceEager": "yes"}}}, "/decode/engine/enforceEager"),
@@ -522,3 +538,49 @@ def test_triton_kernels_cached_on_the_model_cache_volume(cache_type):
             assert "TRITON_CACHE_DIR" not in env
         else:
             assert env["TRITON_CACHE_DIR"] == "/cache/triton" and "/cache" in mounts
+
+
+@pytest.mark.parametrize("sub_path", ["", "Llama-3.1-8B-Instruct"], ids=["no-subPath", "subPath"])
+def test_model_pvc_sub_path_is_mounted(sub_path):
+    """model.pvc.subPath: the workers mount only that folder of the claim at mountPath."""
+    model = {"name": "/models", "source": "pvc", "pvc": {"claimName": "llm-models"}}
+    if sub_path:
+        model["pvc"]["subPath"] = sub_path
+    values = {"model": model}
+    assert helm.lint(values)["errors"] == []
+    docs = helm.render(values)
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        helm.validate(dep)
+        (volume,) = (v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
+        assert volume["persistentVolumeClaim"] == {"claimName": "llm-models", "readOnly": True}
+        (mount,) = (m for m in container(dep)["volumeMounts"] if m["name"] == "model")
+        assert mount["mountPath"] == "/models" and mount["readOnly"] is True
+        if sub_path:
+            assert mount["subPath"] == sub_path
+        else:
+            assert "subPath" not in mount
+    # the router and the helm test pod do not mount the model
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "Pod") and doc["metadata"]["name"] not in (
+            name("prefill"),
+            name("decode"),
+        ):
+            pod = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]
+            assert all(v["name"] != "model" for v in pod.get("volumes", []))
+
+
+def test_model_pvc_sub_path_ignored_for_host_path():
+    docs = helm.render(
+        {
+            "model": {
+                "source": "hostPath",
+                "hostPath": {"path": "/data/models"},
+                "pvc": {"subPath": "Llama-3.1-8B-Instruct"},
+            }
+        }
+    )
+    for role in ("prefill", "decode"):
+        c = container(find(docs, "Deployment", name(role)))
+        (mount,) = (m for m in c["volumeMounts"] if m["name"] == "model")
+        assert "subPath" not in mount

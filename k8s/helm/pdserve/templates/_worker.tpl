@@ -250,6 +250,9 @@ spec:
             {{- if ne $v.model.source "bundled" }}
             - name: model
               mountPath: {{ $v.model.mountPath }}
+              {{- if and (eq $v.model.source "pvc") $v.model.pvc.subPath }}
+              subPath: {{ $v.model.pvc.subPath | quote }}
+              {{- end }}
               readOnly: true
             {{- end }}
             {{- if ne $v.model.cache.type "image" }}
