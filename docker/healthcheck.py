@@ -66,9 +66,8 @@ def _flag(argv: list[str], name: str) -> str | None:
 def target_from_cmdline(argv: list[str]) -> tuple[str, str] | None:
     """("grpc", "127.0.0.1:PORT") or ("http", URL) for a pdserve command line, else None."""
     for i, arg in enumerate(argv):
-        is_pdserve = os.path.basename(arg) == "pdserve" or (
-            arg == "services.cli" and i >= 1 and argv[i - 1] == "-m"  # python -m services.cli
-        )
+        # the console script, or `python -m pdserve`
+        is_pdserve = os.path.basename(arg) == "pdserve"
         is_module = arg == "router" and i >= 1 and argv[i - 1] == "-m"  # python -m router
         if not (is_pdserve or is_module):
             continue

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from services.cli import main
-from services.launcher import plan_workers
+from pdserve.cli import main
+from pdserve.launcher import plan_workers
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -49,7 +49,7 @@ def test_bad_device_is_refused_before_starting(flag, capsys):
 
 
 def test_hint_when_gpu_workers_would_move_kv_over_tcp():
-    from services.launcher import transport_hint
+    from pdserve.launcher import transport_hint
 
     gpus = plan_workers(_args(prefill_device="cuda:0", decode_device="cuda:1"))
     assert "nvlink_intra" in transport_hint(gpus, [])
@@ -76,7 +76,7 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(default_model_dir)]
+    cmd = [sys.executable, "-m", "pdserve", "up", "--model", str(default_model_dir)]
     cmd += ["--port", str(port), "--prefill", "0", "--decode", "1"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()

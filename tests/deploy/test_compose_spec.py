@@ -43,7 +43,7 @@ def test_the_validator_rejects_a_broken_file(tmp_path):
 
 
 def _parse(command: list[str]):
-    from services.cli import build_parser
+    from pdserve.cli import build_parser
 
     assert command[0] == "pdserve"
     return build_parser().parse_args(command[1:])

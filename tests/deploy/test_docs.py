@@ -20,7 +20,7 @@ _ENV_PATTERNS = [
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    from services.cli import build_parser
+    from pdserve.cli import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -45,7 +45,7 @@ def test_every_flag_is_documented(command):
 def test_every_environment_variable_is_documented():
     text = DOC.read_text()
     found = set()
-    for folder in ("services", "router", "kvtransfer"):
+    for folder in ("pdserve", "services", "router", "kvtransfer"):
         for path in (ROOT / folder).rglob("*.py"):
             source = path.read_text(errors="replace")
             for pattern in _ENV_PATTERNS:

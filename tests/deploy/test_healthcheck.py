@@ -42,7 +42,7 @@ def run(*args: str, env: dict | None = None) -> int:
         (["pdserve", "router", "--port", "9000"], ("http", "http://127.0.0.1:9000/ready")),
         (["pdserve", "up", "--host", "0.0.0.0"], ("http", "http://127.0.0.1:8000/ready")),
         (["python", "-m", "router", "--port", "8001"], ("http", "http://127.0.0.1:8001/ready")),
-        (["python", "-m", "services.cli", "prefill"], ("grpc", "127.0.0.1:50061")),
+        (["python", "-m", "pdserve", "prefill"], ("grpc", "127.0.0.1:50061")),
         (["pdserve", "chat"], None),
         (["sleep", "10"], None),
     ],

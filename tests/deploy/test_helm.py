@@ -57,7 +57,7 @@ def test_manifests_validate_against_kubernetes(shape):
 
 def _worker_cli(deployment: dict):
     """Parse a worker's args with pdserve's own parser, as the container would."""
-    from services.cli import build_parser
+    from pdserve.cli import build_parser
     from services.common.settings import WorkerSettings
 
     args = container(deployment)["args"]
@@ -78,8 +78,8 @@ def _worker_cli(deployment: dict):
 def _router_cli(docs: list[dict]):
     """The router's args after Kubernetes expands $(VAR) from its ConfigMap, parsed and
     turned into a RouterConfig by the router's own code."""
+    from pdserve.cli import build_parser
     from router.cli import config_from_args
-    from services.cli import build_parser
 
     dep = find(docs, "Deployment", name("router"))
     c = container(dep)

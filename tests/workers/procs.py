@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdpb.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-# `python -m services.cli` rather than the console script: also works from a plain
+# `python -m pdserve` rather than the console script: also works from a plain
 # checkout on PYTHONPATH (the GPU machines run the tests that way).
-PDSERVE = [sys.executable, "-m", "services.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-PDSERVE = [sys.executable, "-m", "services.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
 class Child:

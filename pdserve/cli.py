@@ -1,4 +1,6 @@
-"""The `pdserve` console script: one entry point, one subcommand per process kind."""
+"""The `pdserve` console script: one entry point, one subcommand per process kind.
+
+Only the chosen subcommand imports its package (services, router), lazily."""
 
 from __future__ import annotations
 
@@ -224,7 +226,7 @@ def _cmd_router(args) -> int:
 
 
 def _cmd_up(args) -> int:
-    from services.launcher import run_up
+    from pdserve.launcher import run_up
 
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
