@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.kernels.shape_classes import parse_choices
+
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter", "tuned")
@@ -52,8 +54,6 @@ class EngineConfig:
                     "kernel_choices only applies to the tuned kernel backend "
                     f"(kernel_backend is {self.kernel_backend!r} here)"
                 )
-            from services.kernels.tuner import parse_choices
-
             parse_choices(self.kernel_choices)  # raises ValueError on a bad spec
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

@@ -18,7 +18,7 @@ from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
 from services.engine.sampler import DeviceTokens, Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import ScheduledSeq
 from services.kernels import AttentionMetadata, get_backend
-from services.kernels.tuner import KernelShapes
+from services.kernels.shape_classes import KernelShapes
 from services.models.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

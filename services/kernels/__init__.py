@@ -9,12 +9,14 @@ directly, so `triton` and `aiter` backends plug in without touching the models.
 - aiter:  AMD AITER's Triton kernels (native `import aiter` on ROCm, shimmed
           `aiter.ops.triton.*` elsewhere) with the triton backend for the ops it lacks.
 - tuned:  per operation and shape class, whichever of those (and torch's fused SDPA
-          for prefill attention) measured fastest on this GPU (services/kernels/tuner.py).
+          for prefill attention) measured fastest on this GPU (tuned_backend.py; the
+          classes are in shape_classes.py, the measuring in tuner.py).
 """
 
 from __future__ import annotations
 
 from services.kernels.interface import AttentionMetadata, KernelBackend
+from services.kernels.torch_backend import TorchBackend
 
 _BACKENDS = ("torch", "triton", "aiter", "tuned")
 
@@ -23,11 +25,9 @@ def get_backend(name: str = "torch", *, shapes=None, device=None, choices=None) 
     """`tuned` also needs the model's KernelShapes and the device it runs on; `choices`
     ("op[.class]=candidate,...") overrides what the tuner picked."""
     if name == "torch":
-        from services.kernels.torch_backend import TorchBackend
-
         return TorchBackend()
     if name == "triton":
-        try:
+        try:  # lazy: triton is optional and heavy; CPU start-up never imports it
             from services.kernels.triton_backend import TritonBackend
         except ImportError as exc:
             raise ValueError(
@@ -36,7 +36,7 @@ def get_backend(name: str = "torch", *, shapes=None, device=None, choices=None) 
             ) from exc
         return TritonBackend()
     if name == "aiter":
-        try:
+        try:  # lazy: aiter (or triton, under its shims) is optional and heavy
             from services.kernels.aiter_backend import AiterBackend
 
             return AiterBackend()
@@ -46,11 +46,12 @@ def get_backend(name: str = "torch", *, shapes=None, device=None, choices=None) 
                 "use 'triton' or 'torch' instead"
             ) from exc
     if name == "tuned":
-        from services.kernels.tuner import tuned_backend
-
         if shapes is None or device is None:
             raise ValueError("kernel backend 'tuned' needs the model shapes and a device")
-        return tuned_backend(shapes, device, choices)
+        # lazy: the measuring code (and triton, through its candidates) only when tuned
+        from services.kernels.tuned_backend import build_tuned_backend
+
+        return build_tuned_backend(shapes, device, choices)
     raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(_BACKENDS)}")
 
 

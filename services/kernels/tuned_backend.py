@@ -1,19 +1,31 @@
 """The `tuned` kernel backend: each call goes to the candidate backend the tuner chose
-for that operation and shape class (services/kernels/tuner.py). Dispatch is a dict
-lookup on host-side sizes, so it costs nothing inside captured CUDA graphs (the choice
-is baked in at capture)."""
+for that operation and shape class (shape_classes.py names them, tuner.py measures
+them). Dispatch is a dict lookup on host-side sizes, so it costs nothing inside
+captured CUDA graphs (the choice is baked in at capture). `build_tuned_backend` makes
+one from the cached (or, on a first start, freshly measured) choices and overrides."""
 
 from __future__ import annotations
 
+import logging
+
 from services.kernels.interface import AttentionMetadata
-from services.kernels.tuner import OP_CLASSES, attention_class, token_class
+from services.kernels.shape_classes import (
+    KernelShapes,
+    all_keys,
+    attention_class,
+    parse_choices,
+    token_class,
+)
+from services.kernels.tuner import load_candidates, tune
+
+log = logging.getLogger(__name__)
 
 
 class TunedBackend:
     name = "tuned"
 
     def __init__(self, backends: dict[str, object], choices: dict[str, str]):
-        missing = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs} - set(choices)
+        missing = all_keys() - set(choices)
         if missing:
             raise ValueError(f"no kernel chosen for {sorted(missing)}")
         unknown = {name for name in choices.values() if name not in backends}
@@ -52,3 +64,26 @@ class TunedBackend:
     def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
         backend = self._pick[f"paged_attention.{attention_class(metadata)}"]
         return backend.paged_attention(q, k_cache, v_cache, metadata, scale)
+
+
+def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwargs):
+    """A TunedBackend for these shapes on this device; `choices` override the tuner's.
+    When the overrides cover every op and class nothing is measured."""
+    overrides = parse_choices(choices)
+    if set(overrides) == all_keys():
+        picked = overrides
+        backends = load_candidates(tuple(set(picked.values())))
+    else:
+        backends = load_candidates()
+        result = tune(shapes, device, candidates=backends, **tune_kwargs)
+        log.info(
+            "kernel choices (%s%s):\n%s",
+            result.device_name,
+            ", cached" if result.from_cache else "",
+            result.table(),
+        )
+        picked = {**result.choices, **overrides}
+    missing = {name for name in picked.values() if name not in backends}
+    if missing:
+        raise ValueError(f"kernel candidates {sorted(missing)} are not available here")
+    return TunedBackend(backends, picked)

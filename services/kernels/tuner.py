@@ -6,17 +6,10 @@ paged decode), so each operation is timed with every candidate that loads here, 
 model's own shapes, and the fastest correct one is kept. Choices are cached per GPU
 model, shapes, dtype and library versions (a JSON file under the pdserve cache dir), so
 only the first start on a machine pays for the measurement (~50 s on an H200, mostly
-Triton compiling every candidate);
-`pdserve tune-kernels` re-measures offline and prints the table.
-
-Shape classes: by the step's token count, "decode1", "decode8", "decode64", "decode256"
-(decode-sized batches up to that many tokens, which run as CUDA-graph replays; the gap between
-candidates changes with batch size, e.g. AITER's paged attention is within 5% of ours
-at 2 sequences and 40% slower at 128)
-and "prefill" (larger, eager). Attention splits decode batches the same way (one query
-per sequence) and otherwise into "prefill" (every sequence has several queries) and
-"mixed". Decode classes are timed as graph replays, and only candidates that are safe
-to capture with padded rows are considered for them.
+Triton compiling every candidate); `pdserve tune-kernels` re-measures offline and
+prints the table. The ops, shape classes and candidates per class are in
+shape_classes.py; the tuned backend (tuned_backend.py) calls `tune` when it is built,
+and nothing here imports it. Decode classes are timed as CUDA-graph replays.
 
 A candidate is discarded if it fails to run or its output strays from the torch
 reference (computed in fp32) by more than the dtype's relative-error bound."""
@@ -33,121 +26,29 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from services.kernels.cache_dir import kernel_tuning_dir
+from services.kernels.interface import AttentionMetadata
+from services.kernels.sdpa_backend import SdpaBackend
+from services.kernels.shape_classes import (
+    DECODE_CLASSES,
+    GRAPH_CLASSES,
+    OP_CLASSES,
+    KernelShapes,
+    all_keys,
+    candidates_for,
+)
+from services.kernels.torch_backend import TorchBackend
+
 log = logging.getLogger(__name__)
 
 TUNER_VERSION = 4  # 4: decode1 class; own triton's GEMV joins linear.decode1 / decode8
-# Decode classes by token count (the largest captured decode batch is 256).
-# One sequence is its own class: the latency case, where a GEMV beats cuBLAS most.
-DECODE_CLASSES = {"decode1": 1, "decode8": 8, "decode64": 64, "decode256": 256}
-_TOKEN_CLASSES = (*DECODE_CLASSES, "prefill")
-
-OP_CLASSES: dict[str, tuple[str, ...]] = {
-    "linear": _TOKEN_CLASSES,
-    "rms_norm": _TOKEN_CLASSES,
-    "fused_add_rms_norm": _TOKEN_CLASSES,
-    "rotary_embedding": _TOKEN_CLASSES,
-    "silu_and_mul": _TOKEN_CLASSES,
-    "store_kv_cache": _TOKEN_CLASSES,
-    "paged_attention": (*DECODE_CLASSES, "prefill", "mixed"),
-}
-CANDIDATES: dict[str, tuple[str, ...]] = {
-    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
-    "linear": ("torch", "triton", "aiter"),
-    "paged_attention": ("torch", "triton", "aiter", "sdpa"),
-    # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
-    "silu_and_mul": ("torch", "triton"),
-    "store_kv_cache": ("torch", "triton"),
-}
-DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
-# Candidates that are timed only for some classes of an op: own triton's linear runs
-# its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
-ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}
-# Captured decode graphs pad the batch with rows whose slot is -1: the torch reference
-# would write those into the last cache slot, and sdpa needs host lengths.
-NOT_GRAPH_SAFE = {"store_kv_cache": {"torch"}, "paged_attention": {"torch", "sdpa"}}
-GRAPH_CLASSES = tuple(DECODE_CLASSES)
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-def candidates_for(op: str, cls: str) -> tuple[str, ...]:
-    names = CANDIDATES.get(op, DEFAULT_CANDIDATES)
-    only = ONLY_FOR.get(op, {})
-    names = tuple(n for n in names if cls in only.get(n, (cls,)))
-    if cls in GRAPH_CLASSES:
-        names = tuple(n for n in names if n not in NOT_GRAPH_SAFE.get(op, ()))
-    return names
-
-
-def token_class(num_tokens: int) -> str:
-    for name, limit in DECODE_CLASSES.items():
-        if num_tokens <= limit:
-            return name
-    return "prefill"
-
-
-def attention_class(metadata) -> str:
-    if metadata.max_query_len == 1:
-        # beyond 256 sequences (never captured) the largest decode class still fits
-        return token_class(min(metadata.block_tables.shape[0], 256))
-    cu = metadata.cu_seqlens_q_cpu
-    if cu is not None and all(b - a > 1 for a, b in zip(cu, cu[1:])):
-        return "prefill"
-    return "mixed"
-
-
-@dataclass(frozen=True)
-class KernelShapes:
-    """What the kernels see of a model: enough to build representative inputs."""
-
-    hidden_size: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    block_size: int
-    dtype: str  # "bfloat16", "float16", "float32"
-    rms_norm_eps: float = 1e-5
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.intermediate_size < 1 or self.block_size < 1:
-            raise ValueError("intermediate_size and block_size must be positive")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
-
-    @classmethod
-    def from_hf_config(cls, hf_config, block_size: int, dtype: str) -> KernelShapes:
-        heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return cls(
-            hidden_size=hf_config.hidden_size,
-            num_q_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            intermediate_size=hf_config.intermediate_size,
-            block_size=block_size,
-            dtype=dtype,
-            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(in, out) of the fused projections one decoder layer runs."""
-        q, kv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, i = self.hidden_size, self.intermediate_size
-        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
 
 
 @dataclass(frozen=True)
@@ -219,61 +120,28 @@ def _rejected_names(result: TuningResult) -> set[str]:
     return {c for r in result.rejected.values() for c in r}
 
 
-# ---- overrides ----------------------------------------------------------------------
-def parse_choices(spec: str | dict | None) -> dict[str, str]:
-    """ "op[.class]=candidate,..." (or a dict of the same) -> {"op.class": candidate}.
-    An op without a class applies to all its classes."""
-    if not spec:
-        return {}
-    items = spec.items() if isinstance(spec, dict) else _split_pairs(spec)
-    out: dict[str, str] = {}
-    for key, name in items:
-        op, _, cls = key.partition(".")
-        if op not in OP_CLASSES:
-            raise ValueError(
-                f"unknown kernel op {op!r} in kernel choices; known: {sorted(OP_CLASSES)}"
-            )
-        classes = (cls,) if cls else OP_CLASSES[op]
-        for c in classes:
-            if c not in OP_CLASSES[op]:
-                raise ValueError(f"{op} has classes {OP_CLASSES[op]}, not {c!r}")
-            if name not in candidates_for(op, c):
-                raise ValueError(
-                    f"{name!r} is not a candidate for {op}.{c}; choose from {candidates_for(op, c)}"
-                )
-            out[f"{op}.{c}"] = name
-    return out
-
-
-def _split_pairs(spec: str):
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        key, eq, name = part.partition("=")
-        if not eq or not key.strip() or not name.strip():
-            raise ValueError(f"kernel choice {part!r} is not of the form op[.class]=candidate")
-        yield key.strip(), name.strip()
-
-
 # ---- candidates -----------------------------------------------------------------------
 def load_candidates(names=("torch", "triton", "aiter", "sdpa")) -> dict[str, object]:
     """Every candidate backend that constructs here (others are skipped, logged)."""
-    from services.kernels import get_backend
-
     out: dict[str, object] = {}
     for name in names:
         try:
-            if name == "sdpa":
-                from services.kernels.sdpa_backend import SdpaBackend
-
+            if name == "torch":
+                out[name] = TorchBackend()
+            elif name == "sdpa":
                 out[name] = SdpaBackend()
+            elif name == "triton":
+                # lazy: triton is an optional, heavy import (absent on CPU-only installs)
+                from services.kernels.triton_backend import TritonBackend
+
+                out[name] = TritonBackend()
             elif name == "aiter":
+                # lazy: aiter (or its shims over triton) is optional and heavy
                 from services.kernels.aiter_backend import AiterBackend
 
                 out[name] = AiterBackend(use_triton_gemm=True)
             else:
-                out[name] = get_backend(name)
+                raise ValueError(f"unknown kernel candidate {name!r}")
         except Exception as exc:  # missing package, ROCm-only import, ...
             log.info("kernel candidate %s unavailable: %s", name, exc)
     return out
@@ -287,8 +155,6 @@ def _device_name(device: torch.device) -> str:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
-
     out = {"torch": torch.__version__, "tuner": str(TUNER_VERSION)}
     for dist in ("triton", "amd-aiter"):
         try:
@@ -313,13 +179,9 @@ def _cache_key(shapes: KernelShapes, sizes: TuningSizes, device_name: str, names
 
 
 def cache_file(device_name: str, cache_dir: Path | None = None) -> Path:
-    """<dir>/<gpu model>.json; dir: PDSERVE_KERNEL_TUNING_DIR, else PDSERVE_CACHE_DIR's
-    kernel_tuning/ (a container whose model cache is read-only points it elsewhere)."""
-    from services.models.default_model import cache_root
-
+    """<dir>/<gpu model>.json; dir: cache_dir.kernel_tuning_dir() unless given."""
     if cache_dir is None:
-        env = os.environ.get("PDSERVE_KERNEL_TUNING_DIR")
-        cache_dir = Path(env) if env else cache_root() / "kernel_tuning"
+        cache_dir = kernel_tuning_dir()
     slug = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
     return cache_dir / f"{slug or 'device'}.json"
 
@@ -343,7 +205,7 @@ def tune(
     path = cache_file(name, cache_dir)
     if not retune:
         cached = _read_cache(path).get(key)
-        if cached is not None and set(cached["choices"]) == _all_keys():
+        if cached is not None and set(cached["choices"]) == all_keys():
             return TuningResult(**cached, from_cache=True)
     with _on_device(device):
         result = _measure(shapes, sizes, device, candidates)
@@ -351,10 +213,6 @@ def tune(
     result.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write_cache(path, key, result)
     return result
-
-
-def _all_keys() -> set[str]:
-    return {f"{op}.{c}" for op, classes in OP_CLASSES.items() for c in classes}
 
 
 def _measure(shapes, sizes, device, candidates) -> TuningResult:
@@ -408,7 +266,7 @@ def _rel_err(out, ref) -> float:
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
-        try:
+        try:  # lazy: triton is optional and heavy (else CUDA events time it, below)
             from triton.testing import do_bench
 
             return do_bench(fn, warmup=5, rep=20) * 1e3
@@ -531,8 +389,6 @@ def _run_case(op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, 
 
 
 def _attention_batch(cls, shapes, sizes, device, dtype, gen):
-    from services.kernels.interface import AttentionMetadata
-
     if cls in DECODE_CLASSES:
         n = sizes.tokens(cls)
         q_lens, ctx = [1] * n, [sizes.decode_ctx] * n
@@ -610,28 +466,3 @@ def _write_cache(path: Path, key: str, result: TuningResult) -> None:
 
 def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwargs):
-    """A TunedBackend for these shapes on this device; `choices` override the tuner's.
-    When the overrides cover every op and class nothing is measured."""
-    from services.kernels.tuned_backend import TunedBackend
-
-    overrides = parse_choices(choices)
-    if set(overrides) == _all_keys():
-        picked = overrides
-        backends = load_candidates(tuple(set(picked.values())))
-    else:
-        backends = load_candidates()
-        result = tune(shapes, device, candidates=backends, **tune_kwargs)
-        log.info(
-            "kernel choices (%s%s):\n%s",
-            result.device_name,
-            ", cached" if result.from_cache else "",
-            result.table(),
-        )
-        picked = {**result.choices, **overrides}
-    missing = {name for name in picked.values() if name not in backends}
-    if missing:
-        raise ValueError(f"kernel candidates {sorted(missing)} are not available here")
-    return TunedBackend(backends, picked)

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from services.kernels.cache_dir import cache_root  # shared with the kernel tuning cache
+
 DEFAULT_MODEL = "smollm2-135m"
 # Short names users may type; all map to the one bundled checkpoint.
 _ALIASES = {
@@ -32,13 +34,6 @@ def is_alias(name: str) -> bool:
 
 def known_aliases() -> list[str]:
     return sorted(_ALIASES)
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
 
 
 def _gguf_path() -> Path:

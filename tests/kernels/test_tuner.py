@@ -1,7 +1,7 @@
 """The kernel tuner: every op and shape class gets a measured, correct, capture-safe
-choice; choices are cached per device and reused; overrides are validated and win; a
-candidate with wrong output is rejected; the engine on the tuned backend reproduces the
-torch backend's greedy tokens. On a CPU the Triton candidates run under the
+choice; choices are cached per device and reused; a candidate with wrong output is
+rejected. (Shape classes and override parsing: test_shape_classes.py; the engine on the
+tuned backend: test_engine_backends.py.) On a CPU the Triton candidates run under the
 interpreter, so shapes are tiny and the times mean nothing: the mechanics are tested."""
 
 from __future__ import annotations
@@ -13,21 +13,14 @@ pytest.importorskip("triton")
 
 from services.engine import EngineConfig  # noqa: E402
 from services.kernels import get_backend  # noqa: E402
-from services.kernels.torch_backend import TorchBackend  # noqa: E402
-from services.kernels.tuner import (  # noqa: E402
+from services.kernels.shape_classes import (  # noqa: E402
     GRAPH_CLASSES,
     NOT_GRAPH_SAFE,
     OP_CLASSES,
     KernelShapes,
-    TuningSizes,
-    attention_class,
-    candidates_for,
-    load_candidates,
-    parse_choices,
-    token_class,
-    tune,
 )
-from tests.kernels.helpers import make_attention_batch  # noqa: E402
+from services.kernels.torch_backend import TorchBackend  # noqa: E402
+from services.kernels.tuner import TuningSizes, cache_file, load_candidates, tune  # noqa: E402
 
 SHAPES = KernelShapes(
     hidden_size=64,
@@ -98,9 +91,9 @@ class _WrongNorm(TorchBackend):
 
 
 def test_a_candidate_with_wrong_output_is_rejected(tmp_path, monkeypatch):
-    import services.kernels.tuner as tuner
+    import services.kernels.shape_classes as shape_classes
 
-    monkeypatch.setitem(tuner.CANDIDATES, "rms_norm", ("torch", "wrong"))
+    monkeypatch.setitem(shape_classes.CANDIDATES, "rms_norm", ("torch", "wrong"))
     cands = {"torch": TorchBackend(), "wrong": _WrongNorm()}
     result = tune(SHAPES, "cpu", candidates=cands, sizes=TuningSizes.tiny(), cache_dir=tmp_path)
     for cls in OP_CLASSES["rms_norm"]:
@@ -114,41 +107,6 @@ def test_tuning_sizes_need_one_count_per_decode_class():
         TuningSizes(decode_tokens=(2, 24, 128))
 
 
-def test_parse_choices():
-    assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
-        "rms_norm.decode1": "triton",
-        "rms_norm.decode8": "triton",
-        "rms_norm.decode64": "triton",
-        "rms_norm.decode256": "triton",
-        "rms_norm.prefill": "triton",
-        "paged_attention.prefill": "sdpa",
-    }
-    assert parse_choices({"linear.prefill": "torch"}) == {"linear.prefill": "torch"}
-    assert parse_choices(None) == {} and parse_choices("") == {}
-    for bad, msg in [
-        ("gemm=torch", "unknown kernel op"),
-        ("rms_norm.mixed=torch", "classes"),
-        ("rms_norm=cutlass", "not a candidate"),
-        ("paged_attention.decode8=sdpa", "not a candidate"),  # cannot be captured
-        ("store_kv_cache.decode64=torch", "not a candidate"),  # padded slot -1
-        ("rms_norm", "op\\[.class\\]=candidate"),
-    ]:
-        with pytest.raises(ValueError, match=msg):
-            parse_choices(bad)
-
-
-def test_own_triton_linear_is_a_candidate_up_to_decode8_only():
-    # its GEMV covers up to 8 rows; above that it is cuBLAS, i.e. torch again
-    assert "triton" in candidates_for("linear", "decode1")
-    assert "triton" in candidates_for("linear", "decode8")
-    for cls in ("decode64", "decode256", "prefill"):
-        assert "triton" not in candidates_for("linear", cls)
-        assert "torch" in candidates_for("linear", cls)
-    assert parse_choices("linear.decode8=triton") == {"linear.decode8": "triton"}
-    with pytest.raises(ValueError, match="not a candidate for linear.prefill"):
-        parse_choices("linear.prefill=triton")
-
-
 def test_engine_config_validates_kernel_options():
     with pytest.raises(ValueError, match="kernel_backend must be one of"):
         EngineConfig(model="x", kernel_backend="cutlass")
@@ -160,41 +118,12 @@ def test_engine_config_validates_kernel_options():
     assert EngineConfig(model="x", device="cuda:0").kernel_backend_name == "tuned"
 
 
-def test_attention_class(device):
-    def meta(q_lens, ctx):
-        return make_attention_batch(
-            q_lens,
-            ctx,
-            block_size=16,
-            num_q_heads=2,
-            num_kv_heads=2,
-            head_dim=16,
-            dtype=torch.float32,
-            device=device,
-        )[3]
-
-    assert attention_class(meta([1], [5])) == "decode1"
-    assert attention_class(meta([1, 1], [5, 9])) == "decode8"
-    assert attention_class(meta([1] * 9, [5] * 9)) == "decode64"
-    assert token_class(1) == "decode1"
-    assert token_class(2) == token_class(8) == "decode8"
-    assert token_class(9) == token_class(64) == "decode64"
-    assert token_class(256) == "decode256" and token_class(257) == "prefill"
-    assert attention_class(meta([4, 7], [0, 3])) == "prefill"
-    assert attention_class(meta([4, 1], [0, 3])) == "mixed"
-    m = meta([4, 7], [0, 3])
-    m.cu_seqlens_q_cpu = None  # no host lengths: cannot prove it is prompt-only
-    assert attention_class(m) == "mixed"
-
-
 def test_get_backend_tuned_needs_shapes():
     with pytest.raises(ValueError, match="needs the model shapes"):
         get_backend("tuned")
 
 
 def test_cache_location_and_unwritable_cache(tmp_path, monkeypatch, caplog):
-    from services.kernels.tuner import cache_file
-
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "models"))
     monkeypatch.delenv("PDSERVE_KERNEL_TUNING_DIR", raising=False)
     assert cache_file("NVIDIA H200") == tmp_path / "models" / "kernel_tuning" / "nvidia-h200.json"

@@ -1,0 +1,169 @@
+"""The tuned backend's vocabulary: the operations, their shape classes, the candidate
+backends each may run on, what a model's kernels look like (KernelShapes) and the
+"op[.class]=candidate" override syntax. The engine and the tuned backend read this;
+the measuring lives in tuner.py.
+
+Shape classes: by the step's token count, "decode1", "decode8", "decode64", "decode256"
+(decode-sized batches up to that many tokens, which run as CUDA-graph replays; the gap
+between candidates changes with batch size, e.g. AITER's paged attention is within 5%
+of ours at 2 sequences and 40% slower at 128) and "prefill" (larger, eager). Attention
+splits decode batches the same way (one query per sequence) and otherwise into
+"prefill" (every sequence has several queries) and "mixed". Only candidates that are
+safe to capture with padded rows are allowed for the decode classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.kernels.interface import AttentionMetadata
+
+# Decode classes by token count (the largest captured decode batch is 256).
+# One sequence is its own class: the latency case, where a GEMV beats cuBLAS most.
+DECODE_CLASSES = {"decode1": 1, "decode8": 8, "decode64": 64, "decode256": 256}
+_TOKEN_CLASSES = (*DECODE_CLASSES, "prefill")
+
+OP_CLASSES: dict[str, tuple[str, ...]] = {
+    "linear": _TOKEN_CLASSES,
+    "rms_norm": _TOKEN_CLASSES,
+    "fused_add_rms_norm": _TOKEN_CLASSES,
+    "rotary_embedding": _TOKEN_CLASSES,
+    "silu_and_mul": _TOKEN_CLASSES,
+    "store_kv_cache": _TOKEN_CLASSES,
+    "paged_attention": (*DECODE_CLASSES, "prefill", "mixed"),
+}
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
+    "linear": ("torch", "triton", "aiter"),
+    "paged_attention": ("torch", "triton", "aiter", "sdpa"),
+    # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
+    "silu_and_mul": ("torch", "triton"),
+    "store_kv_cache": ("torch", "triton"),
+}
+DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
+# Candidates that are timed only for some classes of an op: own triton's linear runs
+# its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
+ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}
+# Captured decode graphs pad the batch with rows whose slot is -1: the torch reference
+# would write those into the last cache slot, and sdpa needs host lengths.
+NOT_GRAPH_SAFE = {"store_kv_cache": {"torch"}, "paged_attention": {"torch", "sdpa"}}
+GRAPH_CLASSES = tuple(DECODE_CLASSES)
+
+
+def all_keys() -> set[str]:
+    """Every "op.class" a tuned backend needs a choice for."""
+    return {f"{op}.{c}" for op, classes in OP_CLASSES.items() for c in classes}
+
+
+def candidates_for(op: str, cls: str) -> tuple[str, ...]:
+    names = CANDIDATES.get(op, DEFAULT_CANDIDATES)
+    only = ONLY_FOR.get(op, {})
+    names = tuple(n for n in names if cls in only.get(n, (cls,)))
+    if cls in GRAPH_CLASSES:
+        names = tuple(n for n in names if n not in NOT_GRAPH_SAFE.get(op, ()))
+    return names
+
+
+def token_class(num_tokens: int) -> str:
+    for name, limit in DECODE_CLASSES.items():
+        if num_tokens <= limit:
+            return name
+    return "prefill"
+
+
+def attention_class(metadata: AttentionMetadata) -> str:
+    if metadata.max_query_len == 1:
+        # beyond 256 sequences (never captured) the largest decode class still fits
+        return token_class(min(metadata.block_tables.shape[0], 256))
+    cu = metadata.cu_seqlens_q_cpu
+    if cu is not None and all(b - a > 1 for a, b in zip(cu, cu[1:])):
+        return "prefill"
+    return "mixed"
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """What the kernels see of a model: enough to build representative inputs."""
+
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    dtype: str  # "bfloat16", "float16", "float32"
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.intermediate_size < 1 or self.block_size < 1:
+            raise ValueError("intermediate_size and block_size must be positive")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    @classmethod
+    def from_hf_config(cls, hf_config, block_size: int, dtype: str) -> KernelShapes:
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return cls(
+            hidden_size=hf_config.hidden_size,
+            num_q_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=hf_config.intermediate_size,
+            block_size=block_size,
+            dtype=dtype,
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of the fused projections one decoder layer runs."""
+        q, kv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+
+
+# ---- overrides ----------------------------------------------------------------------
+def parse_choices(spec: str | dict | None) -> dict[str, str]:
+    """ "op[.class]=candidate,..." (or a dict of the same) -> {"op.class": candidate}.
+    An op without a class applies to all its classes."""
+    if not spec:
+        return {}
+    items = spec.items() if isinstance(spec, dict) else _split_pairs(spec)
+    out: dict[str, str] = {}
+    for key, name in items:
+        op, _, cls = key.partition(".")
+        if op not in OP_CLASSES:
+            raise ValueError(
+                f"unknown kernel op {op!r} in kernel choices; known: {sorted(OP_CLASSES)}"
+            )
+        classes = (cls,) if cls else OP_CLASSES[op]
+        for c in classes:
+            if c not in OP_CLASSES[op]:
+                raise ValueError(f"{op} has classes {OP_CLASSES[op]}, not {c!r}")
+            if name not in candidates_for(op, c):
+                raise ValueError(
+                    f"{name!r} is not a candidate for {op}.{c}; choose from {candidates_for(op, c)}"
+                )
+            out[f"{op}.{c}"] = name
+    return out
+
+
+def _split_pairs(spec: str):
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, eq, name = part.partition("=")
+        if not eq or not key.strip() or not name.strip():
+            raise ValueError(f"kernel choice {part!r} is not of the form op[.class]=candidate")
+        yield key.strip(), name.strip()

@@ -1,0 +1,85 @@
+"""The tuned backend's vocabulary: shape classes by token count and batch kind, the
+candidates each op and class may use (capture-safe ones only for decode classes), and
+the "op[.class]=candidate" overrides. Needs no triton: nothing here runs a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.kernels.shape_classes import (
+    OP_CLASSES,
+    all_keys,
+    attention_class,
+    candidates_for,
+    parse_choices,
+    token_class,
+)
+from tests.kernels.helpers import make_attention_batch
+
+
+def test_all_keys_cover_every_op_and_class():
+    assert all_keys() == {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
+    assert "paged_attention.mixed" in all_keys() and "linear.mixed" not in all_keys()
+
+
+def test_parse_choices():
+    assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
+        "rms_norm.decode1": "triton",
+        "rms_norm.decode8": "triton",
+        "rms_norm.decode64": "triton",
+        "rms_norm.decode256": "triton",
+        "rms_norm.prefill": "triton",
+        "paged_attention.prefill": "sdpa",
+    }
+    assert parse_choices({"linear.prefill": "torch"}) == {"linear.prefill": "torch"}
+    assert parse_choices(None) == {} and parse_choices("") == {}
+    for bad, msg in [
+        ("gemm=torch", "unknown kernel op"),
+        ("rms_norm.mixed=torch", "classes"),
+        ("rms_norm=cutlass", "not a candidate"),
+        ("paged_attention.decode8=sdpa", "not a candidate"),  # cannot be captured
+        ("store_kv_cache.decode64=torch", "not a candidate"),  # padded slot -1
+        ("rms_norm", "op\\[.class\\]=candidate"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_choices(bad)
+
+
+def test_own_triton_linear_is_a_candidate_up_to_decode8_only():
+    # its GEMV covers up to 8 rows; above that it is cuBLAS, i.e. torch again
+    assert "triton" in candidates_for("linear", "decode1")
+    assert "triton" in candidates_for("linear", "decode8")
+    for cls in ("decode64", "decode256", "prefill"):
+        assert "triton" not in candidates_for("linear", cls)
+        assert "torch" in candidates_for("linear", cls)
+    assert parse_choices("linear.decode8=triton") == {"linear.decode8": "triton"}
+    with pytest.raises(ValueError, match="not a candidate for linear.prefill"):
+        parse_choices("linear.prefill=triton")
+
+
+def test_attention_class(device):
+    def meta(q_lens, ctx):
+        return make_attention_batch(
+            q_lens,
+            ctx,
+            block_size=16,
+            num_q_heads=2,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype=torch.float32,
+            device=device,
+        )[3]
+
+    assert attention_class(meta([1], [5])) == "decode1"
+    assert attention_class(meta([1, 1], [5, 9])) == "decode8"
+    assert attention_class(meta([1] * 9, [5] * 9)) == "decode64"
+    assert token_class(1) == "decode1"
+    assert token_class(2) == token_class(8) == "decode8"
+    assert token_class(9) == token_class(64) == "decode64"
+    assert token_class(256) == "decode256" and token_class(257) == "prefill"
+    assert attention_class(meta([4, 7], [0, 3])) == "prefill"
+    assert attention_class(meta([4, 1], [0, 3])) == "mixed"
+    m = meta([4, 7], [0, 3])
+    m.cu_seqlens_q_cpu = None  # no host lengths: cannot prove it is prompt-only
+    assert attention_class(m) == "mixed"
