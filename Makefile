@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh
+$(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	VENV=$(VENV) scripts/setup.sh
 
 run: setup

@@ -80,7 +80,7 @@ async def _one_request(
         res.ok = res.ttft > 0 and res.output_tokens > 0
         if not res.ok:
             res.error = "stream ended without text or usage"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
