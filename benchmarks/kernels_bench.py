@@ -318,7 +318,6 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or use --smoke --device cpu", file=sys.stderr)
         return 2
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from services.kernels import get_backend
 
     dtype = getattr(torch, args.dtype)

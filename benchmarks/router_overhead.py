@@ -2,7 +2,7 @@
 and straight to the decode worker (gRPC), with one prefill and one decode worker on
 this machine. Reports p50 / p99 time to first token and per relayed token.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
+    .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +20,17 @@ import aiohttp
 import grpc
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.workers.procs import PDSERVE, start_worker
+from pdserve.launcher import PDSERVE, Child
+
+
+def start_worker(role: str, *args: str, model: str) -> Child:
+    """A worker process on a free port, ready to serve."""
+    cmd = [*PDSERVE, role, "--model", model, "--port", "0", *args]
+    worker = Child(role, cmd, env={**os.environ, "GLOG_minloglevel": "2"}, echo=False)
+    if not worker.ready.wait(300):
+        worker.stop(10)
+        raise RuntimeError(f"the {role} worker did not become ready")
+    return worker
 
 
 def pct(values, q):
@@ -143,8 +154,8 @@ def main() -> None:
     finally:
         router.terminate()
         router.wait(30)
-        prefill.stop()
-        decode.stop()
+        prefill.stop(30)
+        decode.stop(30)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Moving KV-cache blocks between worker processes.
 
 Never imports the engine nor torch: it speaks integer addresses, byte counts and block
-ids. Backends are imported lazily so the router (no Mooncake) can import this package.
+ids. A backend is imported only when a connector of its kind is created: each needs its
+own wheel and system libraries (Mooncake: its engine and libibverbs), and a worker loads
+only the one it names.
 """
 
 from __future__ import annotations

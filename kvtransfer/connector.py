@@ -232,10 +232,6 @@ class KVConnector(ABC):
         with self._lock:
             self._peers[info.session_id] = info
 
-    def remove_peer(self, session_id: str) -> None:
-        with self._lock:
-            self._peers.pop(session_id, None)
-
     def peers(self) -> list[KVAgentInfo]:
         with self._lock:
             return list(self._peers.values())

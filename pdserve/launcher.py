@@ -22,8 +22,12 @@ PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str]):
+    """A pdserve process; its `PDSERVE {...}` announce lines give its address and
+    readiness. echo: copy its output to ours, each line prefixed with its name."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], echo: bool = True):
         self.name = name
+        self.echo = echo
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -43,8 +47,9 @@ class Child:
                 self.address = event["address"]
                 if event["event"] == "ready":
                     self.ready.set()
-            sys.stdout.write(f"[{self.name}] {line}")
-            sys.stdout.flush()
+            if self.echo:
+                sys.stdout.write(f"[{self.name}] {line}")
+                sys.stdout.flush()
 
     def stop(self, timeout: float) -> None:
         if self.proc.poll() is None:

@@ -81,7 +81,6 @@ class Worker:
         self.inflight = 0  # this router's requests on the worker now
         self.requests = 0  # this router's requests sent to the worker, ever
         self.peers: dict[str, Pairing] = {}  # decode workers: prefill address -> pairing
-        self.changed_at = time.monotonic()
 
     @property
     def model(self) -> str | None:
@@ -294,7 +293,6 @@ class WorkerRegistry:
         if ok == worker.healthy:
             return
         worker.healthy = ok
-        worker.changed_at = time.monotonic()
         if not ok:
             log.warning("%s worker %s is unhealthy: %s", worker.role, worker.address, error)
             return

@@ -34,15 +34,15 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
-def default_model(default_model_dir):
+def model(default_model_dir):
     """The default model's folder as the workers' --model argument."""
     return str(default_model_dir)
 
 
 @pytest.fixture(scope="session")
-def colocated_llm(default_model):
+def colocated(model):
     """The colocated engine on the default model: the reference that disaggregated runs
     must equal token for token."""
     from services.engine import LLM
 
-    return LLM(default_model)
+    return LLM(model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtransfer import KVAgentInfo, KVLayout
-from pdpb.v1 import common_pb2
+from pdpb.v1 import common_pb2, decode_pb2
 from services.engine import SamplingParams
 from services.engine.sequence import Logprob
 
@@ -41,31 +41,6 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # unset: until the context is full or a stop
     return SamplingParams(**kwargs)
-
-
-def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        stop=p.stop,
-        stop_token_ids=p.stop_token_ids,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-        skip_special_tokens=p.skip_special_tokens,
-    )
-    if p.max_tokens is not None:
-        pb.max_tokens = p.max_tokens
-    if p.seed is not None:
-        pb.seed = p.seed
-    if p.logprobs is not None:
-        pb.logprobs = p.logprobs
-    return pb
 
 
 def logprob_to_pb(
@@ -126,4 +101,14 @@ def agent_from_pb(pb: common_pb2.KVAgentInfo) -> KVAgentInfo:
         layout=layout,
         backend=pb.backend,
         protocol=pb.protocol,
+    )
+
+
+def timings_to_pb(timings) -> decode_pb2.Timings:
+    """services.decode.remote_prefill.PrefillTimings -> pb."""
+    return decode_pb2.Timings(
+        queue_seconds=timings.queue_seconds,
+        prefill_seconds=timings.prefill_seconds,
+        kv_transfer_seconds=timings.kv_transfer_seconds,
+        prefill_fallback=timings.prefill_fallback,
     )

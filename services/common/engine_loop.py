@@ -28,7 +28,6 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.last_error: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -61,7 +60,8 @@ class EngineLoop:
         self._streams.pop(request_id, None)
 
     def publish(self, out: RequestOutput) -> None:
-        """Called on the engine thread: hand an output to its request's stream."""
+        """Hand an output to its request's stream, from any thread (the engine thread
+        for step outputs, the event loop for a remote prefill's first token)."""
         target = self._streams.get(out.request_id)
         if target is not None:
             loop, q = target
@@ -84,7 +84,6 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as e:  # a broken step must not kill the worker silently
                 log.exception("engine step failed")
-                self.last_error = e
                 self._fail_all(e)
                 continue
             for out in outputs:

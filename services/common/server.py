@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvtransfer import KVConnector, create_connector
 from pdpb.v1 import common_pb2
 from services.common.engine_loop import EngineLoop
+from services.common.interceptor import WorkerInterceptor
 from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
 from services.common.settings import TRANSFER_WRITE_MODES, WorkerSettings
@@ -65,11 +66,6 @@ class WorkerContext:
             self.connector.close()
 
 
-async def require_ready(ctx: WorkerContext, context: grpc.aio.ServicerContext) -> None:
-    if not ctx.ready.is_set():
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-
-
 async def serve(
     role: str,
     engine_config: EngineConfig,
@@ -77,7 +73,9 @@ async def serve(
     add_servicers: Callable[[grpc.aio.Server, WorkerContext], list[str]],
 ) -> None:
     ctx = WorkerContext(role, engine_config, settings)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        interceptors=[WorkerInterceptor(ctx.ready.is_set)], options=[("grpc.so_reuseport", 0)]
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = add_servicers(server, ctx)

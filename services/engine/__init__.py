@@ -5,6 +5,7 @@ from services.engine.llm import LLM
 from services.engine.llm_engine import KVReservation, LLMEngine, NoFreeBlocksError
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.models.tokenizer import apply_chat_template
 
 __all__ = [
     "LLM",
@@ -15,4 +16,5 @@ __all__ = [
     "NoFreeBlocksError",
     "RequestOutput",
     "SamplingParams",
+    "apply_chat_template",
 ]

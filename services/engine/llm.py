@@ -9,6 +9,7 @@ from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.models.tokenizer import apply_chat_template
 
 
 class LLM:
@@ -56,10 +57,4 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, conversation, **kwargs) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer")
-        kwargs.setdefault("add_generation_prompt", True)
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.tokenizer, conversation, **kwargs)

@@ -10,7 +10,6 @@ Not thread-safe: the caller drives it from one thread."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
 from services.models.loader import load_hf_config, resolve_model_path
+from services.models.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
-        self.tokenizer = _load_tokenizer(self.model_path, config.load_format)
-        self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = config.max_model_len or model_max
@@ -96,7 +96,6 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[str, _Request] = {}
-        self._arrivals = itertools.count()
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         # async scheduling: prefill workers never decode, so they never pipeline
         self._async = config.async_scheduling_enabled and config.role != "prefill"
@@ -115,7 +114,12 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab})")
         return ids
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, *, fit_max_tokens: bool = False
+    ) -> None:
+        """Raises ValueError for a request this engine cannot run. fit_max_tokens: also
+        refuse a prompt + max_tokens beyond max_model_len (the servers do, as vLLM's
+        OpenAI server; offline generation stops at max_model_len instead)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -124,6 +128,12 @@ class LLMEngine:
                 f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
                 "(a prompt must leave room for at least one generated token)"
             )
+        if fit_max_tokens and params.max_tokens is not None:
+            if n + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {n} and max_tokens is {params.max_tokens}"
+                )
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
@@ -133,7 +143,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate(ids, params)
-        seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
+        seq = Sequence(request_id, ids, params)
         self._register(seq)
         self.scheduler.add(seq)
         return seq
@@ -157,7 +167,6 @@ class LLMEngine:
         if req is None:
             return False
         seq = req.seq
-        self.scheduler.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
@@ -192,8 +201,7 @@ class LLMEngine:
         sampling = [self._sampling_request(s.seq) for s in to_sample]
         result = self.runner.execute(sched.scheduled, sampling)
         for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq, item.seq.num_computed_tokens)
+            self.scheduler.postprocess(item.seq, item.num_new_tokens, item.seq.num_tokens)
         return self._process_samples(to_sample, result) if result else []
 
     # -- async scheduling ---------------------------------------------------------------
@@ -221,9 +229,8 @@ class LLMEngine:
             rows = [prev.rows[id(seq)] for seq in seqs]
             tokens = self.runner.decode_on_device(seqs, sampling, prev.tokens.tokens, rows)
         for seq in seqs:
-            seq.num_computed_tokens += 1
-            # blocks whose tokens are all known; the in-flight token joins on reading
-            self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
+            # the token in flight is not known yet: its block joins on reading
+            self.scheduler.postprocess(seq, 1, seq.num_tokens)
         return _StepInFlight(seqs, tokens)
 
     def _launch_next(self, done: _StepInFlight) -> _StepInFlight | None:
@@ -249,9 +256,7 @@ class LLMEngine:
                 continue  # aborted while its step ran
             out = self._append_and_check(seq, token, None)
             if not out.finished:
-                self.block_manager.cache_full_blocks(
-                    seq, min(seq.num_computed_tokens, seq.num_tokens)
-                )
+                self.scheduler.cache_full_blocks(seq, seq.num_tokens)
             outputs.append(out)
         return outputs
 
@@ -261,7 +266,7 @@ class LLMEngine:
         step = self._in_flight
         if step is not None and id(seq) in step.rows:
             step.tokens.wait()
-        self.block_manager.free(seq)
+        self.scheduler.finish(seq)
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         req = self.requests[seq.seq_id]
@@ -319,7 +324,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -349,7 +353,7 @@ class LLMEngine:
         if req is None or req.seq.status != SequenceStatus.PREFILLED:
             return False
         del self.requests[request_id]
-        self.block_manager.free(req.seq)
+        self.scheduler.finish(req.seq)
         req.seq.status = SequenceStatus.FINISHED
         return True
 
@@ -364,16 +368,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt_token_ids)
         self.validate(ids, params)
-        seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
-        bm = self.block_manager
-        bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
-        if not bm.allocate(seq, seq.num_prompt_tokens):
-            bm.free(seq)
+        seq = Sequence(request_id, ids, params)
+        if not self.scheduler.reserve(seq):
+            bm = self.block_manager
             raise NoFreeBlocksError(
                 f"{bm.blocks_needed(seq.num_prompt_tokens)} KV blocks needed, "
                 f"{bm.num_free_blocks} free"
             )
-        seq.status = SequenceStatus.AWAITING_KV
         self._register(seq)
         return KVReservation(list(seq.block_table), seq.num_cached_tokens)
 
@@ -384,15 +385,12 @@ class LLMEngine:
         if req is None or req.seq.status != SequenceStatus.AWAITING_KV:
             raise ValueError(f"request {request_id!r} has no KV reservation")
         seq = req.seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.add_running(seq)
+        self.scheduler.admit_remote(seq)
         return self._append_and_check(seq, first_token, first_logprob)
 
     def prefill_locally(self, request_id: str) -> None:
-        """The remote prefill failed: compute the prompt here, in the reserved blocks
-        (a late remote write into them carries the same KV, so keeping them is safe)."""
+        """The remote prefill failed: compute the prompt here, in the reserved blocks.
+        The caller first makes sure no remote write into them can still land."""
         req = self.requests.get(request_id)
         if req is None or req.seq.status != SequenceStatus.AWAITING_KV:
             raise ValueError(f"request {request_id!r} has no KV reservation")
@@ -415,41 +413,4 @@ class LLMEngine:
         return num_blocks
 
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_blocks,
-            "prefix_cache_hit_blocks": bm.prefix_hits,
-            "prefix_cache_queried_blocks": bm.prefix_queries,
-        }
-
-
-def _load_tokenizer(model_path, load_format: str):
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((model_path / n).exists() for n in names):
-        # Random-weight and benchmark checkpoints often ship none: prompts are token ids.
-        log.warning("no tokenizer files in %s: only token-id prompts will work", model_path)
-        return None
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def _eos_token_ids(model_path, tokenizer, hf_config) -> list[int]:
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_path)
-        eos = gen.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except Exception:
-        pass  # no generation_config.json: fall back to the tokenizer / model config
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids and getattr(hf_config, "eos_token_id", None) is not None:
-        eos = hf_config.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos])
-    return sorted(ids)
+        return self.scheduler.stats()

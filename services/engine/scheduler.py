@@ -33,10 +33,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(
@@ -129,6 +125,53 @@ class Scheduler:
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
                 return None  # blocks taken so far serve these sequences' next steps
         return seqs
+
+    # -- after a step: the scheduler owns every count and block (nano-vllm's postprocess)
+
+    def postprocess(self, seq: Sequence, num_new_tokens: int, num_known_tokens: int) -> None:
+        """seq's KV now covers num_new_tokens more positions; full blocks of its first
+        num_known_tokens tokens join the prefix cache."""
+        seq.num_computed_tokens += num_new_tokens
+        self.cache_full_blocks(seq, num_known_tokens)
+
+    def cache_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
+        """Full blocks whose KV is written and whose tokens are all known (a token still
+        being sampled on the device is not) join the prefix cache."""
+        self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, num_known_tokens))
+
+    def finish(self, seq: Sequence) -> None:
+        """seq leaves the batch and its blocks go back (full ones stay as prefix cache).
+        The caller makes sure no device work still writes them."""
+        self.remove(seq)
+        self.block_manager.free(seq)
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode role: blocks for a whole prompt that a prefill worker will fill (local
+        prefix-cache hits included). False, with nothing held, when too few are free."""
+        bm = self.block_manager
+        bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
+        if not bm.allocate(seq, seq.num_prompt_tokens):
+            bm.free(seq)
+            return False
+        seq.status = SequenceStatus.AWAITING_KV
+        return True
+
+    def admit_remote(self, seq: Sequence) -> None:
+        """Decode role: the prompt's KV has arrived; decode from the next token on."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.cache_full_blocks(seq, seq.num_computed_tokens)
+        self.add_running(seq)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prefix_cache_queried_blocks": bm.prefix_queries,
+        }
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -32,7 +32,6 @@ class Sequence:
     seq_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -3,7 +3,7 @@
 On ROCm `import aiter` works and is used as is. Elsewhere (NVIDIA, or a CPU under
 TRITON_INTERPRET=1) the package's ROCm-only `aiter/__init__.py` cannot run, but its
 Triton kernels can, once three things are shimmed (measured on an H200 with
-amd-aiter 0.1.7.post2.dev18, see DESIGN.md "AITER on NVIDIA"):
+amd-aiter 0.1.7.post2.dev18; docs/architecture.md, Kernels):
 
 1. bare package modules: `aiter`, `aiter.ops`, `aiter.ops.triton` are registered in
    sys.modules as empty packages whose __path__ points into the installed package, so

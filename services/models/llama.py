@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, ops: KernelBackend, max_position: int):
+    def __init__(self, config, ops: KernelBackend):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, ops, self.qk_norm)

@@ -56,7 +56,7 @@ def load_model(
     cls = model_class(hf_config)
     # Build on the meta device: skips the random init of every Linear (seconds on CPU).
     with torch.device("meta"):
-        model = cls(hf_config, ops, max_position)
+        model = cls(hf_config, ops)
     model.to(dtype)  # free on meta; allocating in the final dtype halves peak memory
     model.to_empty(device=device)
     model.tie_weights()

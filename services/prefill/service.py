@@ -8,12 +8,16 @@ import asyncio
 import logging
 import time
 
-import grpc
-
-from kvtransfer import KVAgentInfo, KVLayoutMismatch, KVTransferError, TransferStats
+from kvtransfer import KVAgentInfo, KVTransferError, TransferStats
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
-from services.common.server import WorkerContext, load_report, require_ready
+from services.common.errors import (
+    EngineFailedError,
+    RequestAbortedError,
+    RequestExistsError,
+    UnknownPeerError,
+)
+from services.common.server import WorkerContext, load_report
 from services.common.settings import ABANDONED_WRITE_WAIT_S
 
 log = logging.getLogger(__name__)
@@ -47,97 +51,94 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._aborted: dict[str, float] = {}
 
     async def Handshake(self, request, context):
-        await require_ready(self.ctx, context)
-        try:
-            peer = convert.agent_from_pb(request.decode_agent)
-            self.ctx.connector.add_peer(peer)
-        except KVLayoutMismatch as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible KV layout: {e}")
-        except (ValueError, KeyError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad decode agent info: {e}")
+        peer = convert.agent_from_pb(request.decode_agent)
+        self.ctx.connector.add_peer(peer)  # KVLayoutMismatch: FAILED_PRECONDITION
         return prefill_pb2.HandshakeResponse(
             prefill_agent=convert.agent_to_pb(self.ctx.connector.agent_info()),
             model=self.ctx.engine_config.model,
         )
 
     async def Prefill(self, request, context):
-        await require_ready(self.ctx, context)
         rid = request.request_id
-        engine, loop = self.ctx.engine, self.ctx.loop
+        prompt = list(request.prompt_token_ids)
+        params = convert.sampling_params_from_pb(request.sampling_params)
+        peer = self._admissible(rid, prompt, params, request)
+        done = asyncio.Event()
+        self._inflight[rid] = (asyncio.current_task(), done)
+        try:
+            first, first_lp, stats, prefill_s = await self._prefill_and_push(
+                rid, prompt, params, peer, list(request.block_ids), request.num_cached_tokens
+            )
+        except KVTransferError:
+            self.ctx.metrics.requests.labels("transfer_failed").inc()
+            raise
+        finally:
+            self._inflight.pop(rid, None)
+            done.set()
+        self.ctx.metrics.requests.labels("ok").inc()
+        resp = prefill_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=first,
+            num_blocks_sent=stats.num_blocks,
+            bytes_sent=stats.bytes,
+            prefill_seconds=prefill_s,
+            transfer_seconds=stats.seconds,
+        )
+        if params.logprobs is not None:
+            resp.first_logprob.CopyFrom(convert.logprob_to_pb(first, first_lp, params.logprobs))
+        return resp
+
+    def _admissible(self, rid, prompt, params, request) -> KVAgentInfo:
+        """Checks a Prefill call before anything is allocated; returns the peer."""
+        engine = self.ctx.engine
         if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise ValueError("request_id is required")
         if rid in self._inflight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in flight")
+            raise RequestExistsError(f"request {rid} is in flight")
         self._expire_aborted()
         if rid in self._aborted:
-            await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+            raise RequestAbortedError(f"request {rid} was aborted")
         peer = next(
             (p for p in self.ctx.connector.peers() if p.session_id == request.decode_session_id),
             None,
         )
         if peer is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"unknown decode session {request.decode_session_id!r}: call Handshake first",
+            raise UnknownPeerError(
+                f"unknown decode session {request.decode_session_id!r}: call Handshake first"
             )
-        prompt = list(request.prompt_token_ids)
-        try:
-            params = convert.sampling_params_from_pb(request.sampling_params)
-            engine.tokenize(prompt)
-            engine.validate(prompt, params)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        engine.tokenize(prompt)
+        engine.validate(prompt, params)  # max_tokens is the decode worker's concern
         block_size = self.ctx.engine_config.block_size
         if len(request.block_ids) != -(-len(prompt) // block_size):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise ValueError(
                 f"{len(request.block_ids)} destination blocks for {len(prompt)} prompt tokens "
-                f"(block size {block_size})",
+                f"(block size {block_size})"
             )
+        return peer
 
-        done = asyncio.Event()
-        self._inflight[rid] = (asyncio.current_task(), done)
+    async def _prefill_and_push(self, rid, prompt, params, peer, block_ids, num_cached_tokens):
+        """Computes the prompt, writes the blocks the decode worker lacks, frees ours
+        (full blocks stay as prefix cache). Returns only once nothing can still write."""
+        engine, loop = self.ctx.engine, self.ctx.loop
         stream = loop.open_stream(rid)
         started = time.perf_counter()
         try:
             await loop.call(lambda: engine.add_request(rid, prompt, params))
             out = await stream.get()
+            if isinstance(out, asyncio.CancelledError):
+                raise RequestAbortedError(f"prefill of {rid} was aborted")
             if isinstance(out, BaseException):
-                aborted = isinstance(out, asyncio.CancelledError)
-                await context.abort(
-                    grpc.StatusCode.CANCELLED if aborted else grpc.StatusCode.INTERNAL,
-                    f"prefill of {rid} {'was aborted' if aborted else f'failed: {out}'}",
-                )
+                raise EngineFailedError(f"prefill of {rid} failed: {out}") from out
             prefill_s = time.perf_counter() - started
             seq = engine.get_sequence(rid)
-            skip = request.num_cached_tokens // block_size
-            src, dst = seq.block_table[skip:], list(request.block_ids)[skip:]
-            stats = await self._transfer(peer, src, dst)
+            skip = num_cached_tokens // self.ctx.engine_config.block_size
+            stats = await self._transfer(peer, seq.block_table[skip:], block_ids[skip:])
             first = out.output.token_ids[0]
-            resp = prefill_pb2.PrefillResponse(
-                request_id=rid,
-                first_token_id=first,
-                num_blocks_sent=len(src),
-                bytes_sent=stats.bytes,
-                prefill_seconds=prefill_s,
-                transfer_seconds=stats.seconds,
-            )
-            if params.logprobs is not None:
-                resp.first_logprob.CopyFrom(
-                    convert.logprob_to_pb(first, out.output.logprobs[0], params.logprobs)
-                )
-            self.ctx.metrics.requests.labels("ok").inc()
-            return resp
-        except KVTransferError as e:
-            self.ctx.metrics.requests.labels("transfer_failed").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            first_lp = out.output.logprobs[0] if params.logprobs is not None else None
+            return first, first_lp, stats, prefill_s
         finally:
             loop.close_stream(rid)
-            try:
-                await loop.call_always(lambda: engine.release(rid) or engine.abort_request(rid))
-            finally:
-                self._inflight.pop(rid, None)
-                done.set()
+            await loop.call_always(lambda: engine.release(rid) or engine.abort_request(rid))
 
     async def _transfer(self, peer: KVAgentInfo, src: list[int], dst: list[int]):
         metrics = self.ctx.metrics
@@ -196,7 +197,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Abort(self, request, context):
         """Returns once nothing of the request can still write to the decode worker."""
-        await require_ready(self.ctx, context)
         rid = request.request_id
         entry = self._inflight.get(rid)
         if entry is None:
@@ -208,7 +208,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
-        await require_ready(self.ctx, context)
         return load_report(self.ctx, common_pb2.ROLE_PREFILL)
 
     def _expire_aborted(self) -> None:

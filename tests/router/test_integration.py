@@ -10,7 +10,6 @@ import http.client as httpclient
 import json
 import logging
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -18,40 +17,17 @@ import pytest
 from router.config import RouterConfig
 from tests.router.helpers import RouterThread, http
 
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    not (ROOT / "services/decode/server.py").exists(),
-    reason="needs the decode worker (services/decode/server.py)",
-)
-
 SERVED = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir):
-    return str(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def colocated(model):
-    from services.engine import LLM
-
-    return LLM(model)
-
-
-@pytest.fixture(scope="module")
 def pair(model):
-    from tests.workers.procs import start_worker
+    from tests.workers.procs import worker_pair
 
-    workers = []
-    try:
-        workers.append(start_worker("prefill", "--num-kv-blocks", "512", model=model))
-        workers.append(start_worker("decode", "--num-kv-blocks", "512", model=model))
-        yield workers
-    finally:
-        for w in workers:
-            w.stop()
+    blocks = ("--num-kv-blocks", "512")
+    with worker_pair(model, prefill_args=blocks, decode_args=blocks) as workers:
+        yield list(workers)
 
 
 def wait_ready(r: RouterThread, pairs: int = 1, timeout: float = 30) -> None:

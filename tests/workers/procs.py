@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -99,3 +100,16 @@ def start_worker(
         worker.stop()
         raise RuntimeError(f"{role} worker did not become ready:\n{''.join(worker.log[-30:])}")
     return worker
+
+
+@contextlib.contextmanager
+def worker_pair(model: str, prefill_args=(), decode_args=()):
+    """A prefill and a decode worker for the duration of the block; stopped after."""
+    workers = []
+    try:
+        workers.append(start_worker("prefill", *prefill_args, model=model))
+        workers.append(start_worker("decode", *decode_args, model=model))
+        yield tuple(workers)
+    finally:
+        for w in workers:
+            w.stop()

@@ -13,31 +13,18 @@ import grpc
 import pytest
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services.engine import LLM, SamplingParams
-from tests.workers.procs import start_worker
+from services.engine import SamplingParams
+from tests.workers.procs import start_worker, worker_pair
 
 BLOCK = 16
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir):
-    return str(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def colocated(model):
-    return LLM(model)
-
-
-@pytest.fixture(scope="module")
 def pair(model):
     # A small chunk budget on the prefill side makes long prompts chunked.
-    prefill = start_worker("prefill", "--max-num-batched-tokens", "64", model=model)
-    decode = start_worker("decode", model=model)
-    yield prefill, decode
-    for w in (prefill, decode):
-        w.stop()
+    with worker_pair(model, prefill_args=("--max-num-batched-tokens", "64")) as workers:
+        yield workers
 
 
 def generate(decode, prompt_ids, prefill=None, max_tokens=MAX_TOKENS, timeout=120, **params):
@@ -264,3 +251,40 @@ def test_direct_write_mode_over_tcp(model, colocated):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_duplicate_request_id_from_two_callers(pair, colocated):
+    """Two routers that send one request id at once: the second is refused with
+    ALREADY_EXISTS and the first runs to the end, untouched (its stream is not replaced,
+    its blocks are not freed)."""
+    prefill, decode = pair
+    prompt = colocated.tokenizer.encode("Tell me a long story about a lighthouse keeper.")
+    n = 160  # long enough to still run when the second call arrives
+    ref = colocated.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    )[0].output.token_ids
+
+    def request(rid):
+        return decode_pb2.GenerateRequest(
+            request_id=rid,
+            token_ids=common_pb2.TokenIds(ids=prompt),
+            sampling_params=common_pb2.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+            prefill_address=prefill.address,
+        )
+
+    with decode.channel() as ch1, decode.channel() as ch2:
+        first = decode_pb2_grpc.DecodeServiceStub(ch1).Generate(request("dup"), timeout=120)
+        got = list(next(first).token_ids)  # the first request is in flight
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in decode_pb2_grpc.DecodeServiceStub(ch2).Generate(request("dup"), timeout=60):
+                pass
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value.details()
+        for resp in first:
+            got.extend(resp.token_ids)
+            assert resp.request_id == "dup"  # the caller's id, not the worker's own key
+    assert got == ref
+    # once it is done the id is free again
+    assert generate(decode, prompt, prefill, max_tokens=4, ignore_eos=True)[0] == ref[:4]
+    for w in pair:
+        report = w.wait_all_blocks_free()
+        assert report.num_free_blocks == report.num_total_blocks

@@ -8,14 +8,15 @@ called back once started (a slow link), while the decode worker's prefill deadli
 
 from __future__ import annotations
 
+import time
+
 from tests.workers.procs import start_worker
 from tests.workers.test_disaggregated import BLOCK, expected, generate
 
 WRITE_DELAY_S = 4.0
 
 
-def test_recompute_waits_until_the_late_write_cannot_land(default_model_dir, colocated_llm):
-    model = str(default_model_dir)
+def test_recompute_waits_until_the_late_write_cannot_land(model, colocated):
     prefill = start_worker(
         "prefill", model=model, env={"PDSERVE_FAULT_WRITE_DELAY_S": str(WRITE_DELAY_S)}
     )
@@ -27,8 +28,8 @@ def test_recompute_waits_until_the_late_write_cannot_land(default_model_dir, col
         first = [(i * 41) % 40000 + 100 for i in range(200)]  # 13 blocks
         second = [(i * 53) % 40000 + 7 for i in range(250)]  # 16 blocks and more
         assert -(-len(first) // BLOCK) + -(-(len(second) + 120) // BLOCK) > 24
-        ref_first = expected(colocated_llm, [first], max_tokens=8)[0]
-        ref_second = expected(colocated_llm, [second], max_tokens=120)[0]
+        ref_first = expected(colocated, [first], max_tokens=8)[0]
+        ref_second = expected(colocated, [second], max_tokens=120)[0]
 
         tokens, last = generate(decode, first, prefill, max_tokens=8)
         assert tokens == ref_first
@@ -50,3 +51,73 @@ def test_recompute_waits_until_the_late_write_cannot_land(default_model_dir, col
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_blocks_hold_the_right_kv_after_the_late_moment(model):
+    """The same fault, with the decode side in this process so its KV bytes can be
+    read: after the failed remote prefill, the blocks are given to a second request
+    (prefilled here); once the prefill worker's delayed write has ended (the "late
+    moment"), those blocks must hold exactly the second request's KV, as an independent
+    engine computes it."""
+    import asyncio
+    import hashlib
+
+    from pdpb.v1 import common_pb2
+    from services.common.server import WorkerContext
+    from services.common.settings import WorkerSettings
+    from services.decode.remote_prefill import PrefillPeers, RemotePrefill
+    from services.engine import EngineConfig, LLMEngine, SamplingParams
+
+    prefill = start_worker(
+        "prefill", model=model, env={"PDSERVE_FAULT_WRITE_DELAY_S": str(WRITE_DELAY_S)}
+    )
+    config = EngineConfig(model=model, role="decode", num_kv_blocks=24, max_model_len=384)
+    ctx = WorkerContext("decode", config, WorkerSettings(port=0, prefill_timeout_s=1.5))
+    ctx.load()
+    ctx.ready.set()
+    first = [(i * 41) % 40000 + 100 for i in range(200)]  # 13 blocks
+    second = [(i * 53) % 40000 + 7 for i in range(20 * BLOCK)]  # 20 full blocks
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+
+    def digest(engine, block_id):
+        return hashlib.sha256(engine.runner.kv_cache[block_id].numpy().tobytes()).hexdigest()
+
+    async def scenario():
+        remote = RemotePrefill(ctx, PrefillPeers(ctx))
+        engine, loop = ctx.engine, ctx.loop
+        stream = loop.open_stream("first")
+        timings = await remote.run(
+            "first", first, greedy, common_pb2.SamplingParams(max_tokens=1), prefill.address, "t"
+        )
+        assert timings.prefill_fallback
+        while not (await stream.get()).finished:
+            pass
+        loop.close_stream("first")
+        # the second request takes the blocks back (24 in all: it must reuse the first's)
+        stream = loop.open_stream("second")
+        reservation = await loop.call(lambda: engine.reserve_remote_kv("second", second, greedy))
+        await loop.call(lambda: engine.prefill_locally("second"))
+        while not (await stream.get()).finished:
+            pass
+        loop.close_stream("second")
+        await remote.peers.close()
+        return reservation.block_ids
+
+    try:
+        block_ids = asyncio.run(scenario())
+        # the late moment: the prefill worker's delayed write has ended
+        deadline = time.monotonic() + 3 * WRITE_DELAY_S
+        while prefill.load().kv_transfers_ok + prefill.load().kv_transfers_failed < 1:
+            assert time.monotonic() < deadline, "the delayed write never ended"
+            time.sleep(0.1)
+        reference = LLMEngine(EngineConfig(model=model, num_kv_blocks=24, max_model_len=384))
+        seq = reference.add_request("second", second, SamplingParams(temperature=0, max_tokens=2))
+        reference.step()  # the whole prompt in one chunk, as the decode engine did
+        assert seq.num_computed_tokens == len(second)
+        got = [digest(ctx.engine, b) for b in block_ids]
+        want = [digest(reference, b) for b in seq.block_table[: len(block_ids)]]
+        assert got == want, "a late write changed blocks that another request now holds"
+        assert ctx.engine.stats()["num_free_blocks"] == 24
+    finally:
+        ctx.close()
+        prefill.stop()

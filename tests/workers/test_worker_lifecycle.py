@@ -17,11 +17,6 @@ from tests.workers.procs import start_worker
 from tests.workers.test_disaggregated import generate
 
 
-@pytest.fixture(scope="module")
-def model(default_model_dir):
-    return str(default_model_dir)
-
-
 def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return resp.read().decode()
