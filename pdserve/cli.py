@@ -17,7 +17,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--load-format", default="auto", help="auto or safetensors (the folder's *.safetensors), or dummy (random weights)")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        help="auto or safetensors (the folder's *.safetensors), or dummy (random weights)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

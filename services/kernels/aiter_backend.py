@@ -118,6 +118,10 @@ class AiterBackend:
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+        # AITER's Triton MoE kernels are not wired through the shims yet
+        return self.fallback.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+
     # ---- attention ---------------------------------------------------------------
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         def i32(t):

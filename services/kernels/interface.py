@@ -86,3 +86,20 @@ class KernelBackend(Protocol):
         """Causal attention of q [T, Hq, D] over each sequence's cached context
         (which already holds this step's keys). Returns [T, Hq, D]."""
         ...
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        """A mixture-of-experts MLP. x: [T, H]; router_logits: [T, E] (any float dtype);
+        w13: [E, 2I, H], each expert's gate rows then up rows; w2: [E, H, I].
+        Routing: softmax over the experts in fp32, the top_k largest, divided by their
+        sum when renormalize, cast to x's dtype. Returns [T, H]:
+        sum over the chosen experts e of weight_e * (silu(x W_gate_e^T) * (x W_up_e^T)) W2_e^T.
+        No host synchronisation on CUDA (decode steps are captured in CUDA graphs)."""
+        ...

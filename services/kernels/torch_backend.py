@@ -67,6 +67,18 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+        # The reference: one expert at a time over the tokens routed to it, in the order
+        # transformers' Qwen3-MoE / Mixtral blocks sum them (host syncs: eager only).
+        weights, ids = select_experts(router_logits, top_k, renormalize)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            h = self.silu_and_mul(F.linear(x[token], w13[e]))
+            out.index_add_(0, token, F.linear(h, w2[e]) * weights[token, slot, None])
+        return out
+
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         block_size = k_cache.shape[1]
         blocks = slot_mapping // block_size
@@ -127,3 +139,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing, as transformers' Qwen3-MoE and Mixtral do it: softmax in fp32, the
+    top_k experts, renormalized to sum to 1 when asked. Returns (weights fp32 [T, k],
+    expert ids int64 [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

@@ -16,6 +16,7 @@ from services.kernels.shape_classes import (
     parse_choices,
     token_class,
 )
+from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner import load_candidates, tune
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ class TunedBackend:
             raise ValueError(f"chosen kernel backends not loaded: {sorted(unknown)}")
         self.choices = dict(choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
+        # fused_moe is not measured by the tuner yet: pdserve's Triton kernel wherever
+        # Triton runs (it captures in CUDA graphs), else the torch reference; said once
+        self._moe = backends.get("triton") or backends.get("torch") or TorchBackend()
+        self._moe_logged = False
 
     def _by_tokens(self, op: str, num_tokens: int):
         return self._pick[f"{op}.{token_class(num_tokens)}"]
@@ -57,6 +62,14 @@ class TunedBackend:
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         backend = self._by_tokens("store_kv_cache", k.shape[0])
         backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+        if not self._moe_logged:
+            self._moe_logged = True
+            log.warning(
+                "fused_moe is not tuned yet: every class runs the %s kernel", self._moe.name
+            )
+        return self._moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)

@@ -84,10 +84,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, ops, qk_norm)
-        self.mlp = MLP(config, ops)
+        self.mlp = mlp  # dense MLP, or a mixture of experts (moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -103,11 +103,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool = False):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool, make_mlp):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, ops, qk_norm, make_mlp(config, ops, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -130,14 +131,25 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # checkpoint name fragment -> ours, applied before everything else (MoE families
+    # name their expert block differently)
+    checkpoint_renames: dict[str, str] = {}
+    # MoE families: a per-expert checkpoint tensor name -> (stacked parameter, shard)
+    expert_modules: dict[str, tuple[str, int | None]] = {}
+
     def __init__(self, config, ops: KernelBackend):
         super().__init__()
+        _refuse_sliding_window(config)
         self.config = config
-        self.model = LlamaModel(config, ops, self.qk_norm)
+        self.model = LlamaModel(config, ops, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
         self.tie_weights()
         self.cos_sin_cache = torch.empty(0)
+
+    def make_mlp(self, config, ops: KernelBackend, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer layer_idx (MoE families override this)."""
+        return MLP(config, ops)
 
     def tie_weights(self) -> None:
         # Module._apply (to_empty, .to) may replace parameters one module at a time,
@@ -168,3 +180,19 @@ class LlamaForCausalLM(nn.Module):
             return starts[shard], sizes[shard]
         inter = self.config.intermediate_size
         return shard * inter, inter
+
+
+def _refuse_sliding_window(config) -> None:
+    """Every layer attends over the whole context here: a checkpoint that limits
+    attention to a window (Mistral-7B-v0.1: 4096) would silently compute something else
+    past it, so it is refused, naming the key."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and window >= limit:
+        return  # the window covers every position the model can see
+    raise ValueError(
+        f"sliding_window={window} (config.json) is not supported: attention here covers "
+        'the whole context; set "sliding_window": null to serve it with full attention'
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -85,7 +86,8 @@ def _load_safetensors(model, model_path: Path) -> None:
     if not files:
         raise ValueError(f"no *.safetensors files in {model_path}")
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    expected = _expected_pieces(model, params)
+    loaded: dict[str, set] = {name: set() for name in params}
     for name, param in params.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)  # checkpoints may omit unit norms; never leave garbage
@@ -94,26 +96,81 @@ def _load_safetensors(model, model_path: Path) -> None:
             for name in f.keys():
                 target = _load_tensor(model, params, name, f.get_tensor(name))
                 if target:
-                    loaded.add(target)
-    missing = [n for n in params if n not in loaded]
+                    loaded[target[0]].add(target[1])
+    missing = [
+        name
+        for name, pieces in expected.items()
+        if not pieces <= loaded[name] and not name.endswith("norm.weight")
+    ]
     if model.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks weights for {missing[:5]}")
 
 
-def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
+def _expected_pieces(model, params) -> dict[str, set]:
+    """What the checkpoint must fill of each parameter: the shards of a fused one
+    (q, k, v), every (expert, shard) of a stacked MoE one, else the whole (None)."""
+    expected = {name: {None} for name in params}
+    fused: dict[str, set] = {}
+    for fused_name, shard in model.packed_modules.values():
+        fused.setdefault(fused_name, set()).add(shard)
+    for name in params:
+        module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        if module_name in fused:
+            expected[name] = set(fused[module_name])
+    for prefix, module in model.named_modules():
+        if hasattr(module, "weight_pieces"):
+            for param, pieces in module.weight_pieces().items():
+                expected[f"{prefix}.{param}"] = pieces
+    return expected
+
+
+_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
+    """Copies one checkpoint tensor into its place; returns (parameter, piece)."""
     if "rotary_emb.inv_freq" in name:
         return None
     if name == "lm_head.weight" and model.tie_word_embeddings:
         return None
+    for old, new in model.checkpoint_renames.items():
+        name = name.replace(old, new)
+    expert = _EXPERT.fullmatch(name)
+    if expert and expert.group(3) in model.expert_modules:
+        prefix, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        param, shard = model.expert_modules[proj]
+        module = _submodule(model, prefix)
+        if module is None or not hasattr(module, "load_expert") or index >= module.num_experts:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        module.load_expert(param, index, shard, tensor)
+        return f"{prefix}.{param}", (index, shard)
     for ckpt_name, (fused, shard) in model.packed_modules.items():
         if f".{ckpt_name}." in name:
             target = name.replace(ckpt_name, fused)
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
             start, size = model.shard_slice(fused, shard)
-            params[target].data[start : start + size].copy_(tensor)
-            return target
+            _copy(params[target].data[start : start + size], tensor, name)
+            return target, shard
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    params[name].data.copy_(tensor)
-    return name
+    _copy(params[name].data, tensor, name)
+    return name, None
+
+
+def _submodule(model, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    # copy_ would broadcast a wrongly shaped tensor silently
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"weight {name!r}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}"
+        )
+    dst.copy_(src)

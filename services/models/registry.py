@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from services.models.llama import LlamaForCausalLM
+from services.models.mixtral import MixtralForCausalLM
 from services.models.qwen3 import Qwen3ForCausalLM
+from services.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -80,6 +80,81 @@ def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
     return path
 
 
+def save_random_moe_model(path: Path, kind: str, seed: int = 0) -> Path:
+    """A small random-weight Qwen3-MoE (8 experts, top-2, renormalized, layer 1 dense
+    through mlp_only_layers) or Mixtral (8 experts, top-2), written as the published
+    checkpoints are: one tensor per expert and projection (Qwen3-MoE:
+    mlp.experts.E.{gate,up,down}_proj.weight; Mixtral: block_sparse_moe.experts.E.w1 /
+    w3 / w2 and block_sparse_moe.gate), not transformers 5's stacked in-memory layout."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # logits of a few units: fp32 sums agree to ~1e-5
+        bos_token_id=1,
+        eos_token_id=2,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    if kind == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            intermediate_size=256,  # the dense layer's
+            moe_intermediate_size=64,
+            num_experts=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+        block, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    elif kind == "mixtral":
+        config = MixtralConfig(
+            **common,
+            intermediate_size=64,
+            num_local_experts=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+        block, names = "block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        layer, _, rest = name.partition(".mlp.")
+        if rest == "experts.gate_up_proj":
+            inter = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                tensors[f"{layer}.{block}.experts.{e}.{names[0]}.weight"] = value[e, :inter]
+                tensors[f"{layer}.{block}.experts.{e}.{names[1]}.weight"] = value[e, inter:]
+        elif rest == "experts.down_proj":
+            for e in range(value.shape[0]):
+                tensors[f"{layer}.{block}.experts.{e}.{names[2]}.weight"] = value[e]
+        elif rest == "gate.weight":
+            tensors[f"{layer}.{block}.gate.weight"] = value
+        else:
+            tensors[name] = value
+    path.mkdir(parents=True, exist_ok=True)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    # the reference must really hold these weights (transformers converts the per-expert
+    # names on load; anything it failed to map would be left random)
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), f"transformers lost {name}"
+    return path
+
+
 def assert_all_blocks_free(llm_or_engine):
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     bm = engine.block_manager

@@ -1,0 +1,37 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norm) with a
+mixture-of-experts MLP in every `decoder_sparse_step`-th layer except `mlp_only_layers`,
+which keep a dense MLP; top-k routing renormalized when `norm_topk_prob`."""
+
+from __future__ import annotations
+
+from services.models.llama import MLP
+from services.models.moe import FusedMoE
+from services.models.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    # checkpoint: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight, mlp.gate.weight
+    expert_modules = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+
+    def make_mlp(self, config, ops, layer_idx: int):
+        _refuse_unsupported(config)
+        sparse = (
+            layer_idx not in (config.mlp_only_layers or [])
+            and config.num_experts > 0
+            and (layer_idx + 1) % config.decoder_sparse_step == 0
+        )
+        if not sparse:
+            return MLP(config, ops)
+        return FusedMoE(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            bool(config.norm_topk_prob),
+            ops,
+        )
+
+
+def _refuse_unsupported(config) -> None:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
