@@ -25,10 +25,13 @@ OPS = (
     "silu_and_mul",
     "store_kv_cache",
     "paged_attention",
+    "fused_moe",
 )
 
 # Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads, head_dim 128, MLP 14336.
 HIDDEN, HQ, HK, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
+# fused_moe at Qwen3-30B-A3B's experts: 128 experts, top-8, hidden 2048, expert MLP 768.
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 128, 8, 2048, 768
 
 
 @dataclass
@@ -242,6 +245,17 @@ def build_cases(args, torch, dtype, dev) -> list[Case]:
             Case("store_kv_cache", f"T={t} {hk}x{d} bs={bs}", lambda kk=kk, v=v, kv=kv, s=slots: (
                 lambda b: b.store_kv_cache(kk, v, kv[:, 1, 0], kv[:, 1, 1], s),
                 4 * kk.numel() * esize, None))
+        )  # fmt: skip
+
+    # fused MoE: bytes are the weights of the experts hit at most, as decode reads them
+    e, k, h, i = (8, 2, 64, 32) if smoke else (MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER)
+    w13, w2 = randn(e, 2 * i, h) * h**-0.5, randn(e, h, i) * i**-0.5
+    for t in token_counts:
+        x, logits = randn(t, h), randn(t, e)
+        cases.append(
+            Case("fused_moe", f"T={t} E={e} k={k} H={h} I={i}", lambda x=x, lg=logits, t=t: (
+                lambda b: b.fused_moe(x, lg, w13, w2, k, True),
+                min(e, t * k) * 3 * h * i * esize, 6 * t * k * h * i))
         )  # fmt: skip
 
     # paged attention: (label, query lens, cached context lens)

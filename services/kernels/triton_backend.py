@@ -22,7 +22,7 @@ class TritonBackend:
         self.attn_num_splits = attn_num_splits
 
     def linear(self, x, layer):
-        # cuBLAS beats Triton GEMMs on the H200 (DESIGN.md), but its GEMV for a few
+        # cuBLAS beats Triton GEMMs on the H200 (docs/performance.md), but its GEMV for a few
         # rows streams the weight well below peak bandwidth: decode-sized batches take
         # our own GEMV, larger ones stay on cuBLAS.
         weight, k = layer.weight, x.shape[-1]
@@ -44,6 +44,9 @@ class TritonBackend:
 
     def silu_and_mul(self, x):
         return tk.silu_and_mul(x)
+
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
 
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

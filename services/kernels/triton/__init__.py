@@ -10,12 +10,14 @@ from services.kernels.triton.activation import silu_and_mul
 from services.kernels.triton.attention import attention_config, paged_attention
 from services.kernels.triton.cache import store_kv_cache
 from services.kernels.triton.gemv import gemv
+from services.kernels.triton.moe import fused_moe
 from services.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from services.kernels.triton.rope import rotary_embedding
 
 __all__ = [
     "attention_config",
     "fused_add_rms_norm",
+    "fused_moe",
     "gemv",
     "paged_attention",
     "rms_norm",
