@@ -32,7 +32,10 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "silu_and_mul": _TOKEN_CLASSES,
     "store_kv_cache": _TOKEN_CLASSES,
     "paged_attention": (*DECODE_CLASSES, "prefill", "mixed"),
+    "fused_moe": _TOKEN_CLASSES,
 }
+# ops only some models run: a dense model needs no choice for them
+MOE_OPS = ("fused_moe",)
 CANDIDATES: dict[str, tuple[str, ...]] = {
     # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
     "linear": ("torch", "triton", "aiter"),
@@ -40,20 +43,33 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
     "silu_and_mul": ("torch", "triton"),
     "store_kv_cache": ("torch", "triton"),
+    # AITER's Triton MoE kernels are not wired through the shims yet
+    "fused_moe": ("torch", "triton"),
 }
 DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
 # Candidates that are timed only for some classes of an op: own triton's linear runs
 # its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
 ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}
 # Captured decode graphs pad the batch with rows whose slot is -1: the torch reference
-# would write those into the last cache slot, and sdpa needs host lengths.
-NOT_GRAPH_SAFE = {"store_kv_cache": {"torch"}, "paged_attention": {"torch", "sdpa"}}
+# would write those into the last cache slot, and sdpa needs host lengths. The torch
+# fused_moe reference loops over the experts it finds on the host.
+NOT_GRAPH_SAFE = {
+    "store_kv_cache": {"torch"},
+    "paged_attention": {"torch", "sdpa"},
+    "fused_moe": {"torch"},
+}
 GRAPH_CLASSES = tuple(DECODE_CLASSES)
 
 
-def all_keys() -> set[str]:
-    """Every "op.class" a tuned backend needs a choice for."""
-    return {f"{op}.{c}" for op, classes in OP_CLASSES.items() for c in classes}
+def ops_for(shapes: KernelShapes | None = None) -> list[str]:
+    """The ops a model with these shapes runs (None: a dense model)."""
+    moe = shapes is not None and shapes.num_experts > 0
+    return [op for op in OP_CLASSES if moe or op not in MOE_OPS]
+
+
+def all_keys(shapes: KernelShapes | None = None) -> set[str]:
+    """Every "op.class" a tuned backend for these shapes needs a choice for."""
+    return {f"{op}.{c}" for op in ops_for(shapes) for c in OP_CLASSES[op]}
 
 
 def candidates_for(op: str, cls: str) -> tuple[str, ...]:
@@ -94,6 +110,10 @@ class KernelShapes:
     block_size: int
     dtype: str  # "bfloat16", "float16", "float32"
     rms_norm_eps: float = 1e-5
+    # mixtures of experts (0: dense): experts, experts per token, an expert's MLP width
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self):
         for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -105,11 +125,31 @@ class KernelShapes:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.num_experts and not (
+            0 < self.top_k <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                "a MoE needs 0 < top_k <= num_experts and a positive moe_intermediate_size"
+            )
 
     @classmethod
     def from_hf_config(cls, hf_config, block_size: int, dtype: str) -> KernelShapes:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        # Qwen3-MoE: num_experts / moe_intermediate_size; Mixtral: num_local_experts and
+        # its experts are intermediate_size wide
+        experts = getattr(hf_config, "num_experts", None) or getattr(
+            hf_config, "num_local_experts", 0
+        )
+        moe = dict(
+            num_experts=experts or 0,
+            top_k=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=(
+                getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+            )
+            if experts
+            else 0,
+        )
         return cls(
             hidden_size=hf_config.hidden_size,
             num_q_heads=heads,
@@ -119,6 +159,7 @@ class KernelShapes:
             block_size=block_size,
             dtype=dtype,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
+            **moe,
         )
 
     @property

@@ -16,7 +16,6 @@ from services.kernels.shape_classes import (
     parse_choices,
     token_class,
 )
-from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner import load_candidates, tune
 
 log = logging.getLogger(__name__)
@@ -25,8 +24,13 @@ log = logging.getLogger(__name__)
 class TunedBackend:
     name = "tuned"
 
-    def __init__(self, backends: dict[str, object], choices: dict[str, str]):
-        missing = all_keys() - set(choices)
+    def __init__(
+        self,
+        backends: dict[str, object],
+        choices: dict[str, str],
+        shapes: KernelShapes | None = None,
+    ):
+        missing = all_keys(shapes) - set(choices)
         if missing:
             raise ValueError(f"no kernel chosen for {sorted(missing)}")
         unknown = {name for name in choices.values() if name not in backends}
@@ -34,10 +38,6 @@ class TunedBackend:
             raise ValueError(f"chosen kernel backends not loaded: {sorted(unknown)}")
         self.choices = dict(choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
-        # fused_moe is not measured by the tuner yet: pdserve's Triton kernel wherever
-        # Triton runs (it captures in CUDA graphs), else the torch reference; said once
-        self._moe = backends.get("triton") or backends.get("torch") or TorchBackend()
-        self._moe_logged = False
 
     def _by_tokens(self, op: str, num_tokens: int):
         return self._pick[f"{op}.{token_class(num_tokens)}"]
@@ -64,12 +64,10 @@ class TunedBackend:
         backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
-        if not self._moe_logged:
-            self._moe_logged = True
-            log.warning(
-                "fused_moe is not tuned yet: every class runs the %s kernel", self._moe.name
-            )
-        return self._moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+        key = f"fused_moe.{token_class(x.shape[0])}"
+        if key not in self._pick:
+            raise ValueError("this tuned backend was built for a dense model (no fused_moe)")
+        return self._pick[key].fused_moe(x, router_logits, w13, w2, top_k, renormalize)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)
@@ -83,7 +81,7 @@ def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwarg
     """A TunedBackend for these shapes on this device; `choices` override the tuner's.
     When the overrides cover every op and class nothing is measured."""
     overrides = parse_choices(choices)
-    if set(overrides) == all_keys():
+    if set(overrides) >= all_keys(shapes):
         picked = overrides
         backends = load_candidates(tuple(set(picked.values())))
     else:
@@ -99,4 +97,4 @@ def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwarg
     missing = {name for name in picked.values() if name not in backends}
     if missing:
         raise ValueError(f"kernel candidates {sorted(missing)} are not available here")
-    return TunedBackend(backends, picked)
+    return TunedBackend(backends, picked, shapes)

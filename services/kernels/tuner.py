@@ -41,12 +41,13 @@ from services.kernels.shape_classes import (
     KernelShapes,
     all_keys,
     candidates_for,
+    ops_for,
 )
 from services.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 4  # 4: decode1 class; own triton's GEMV joins linear.decode1 / decode8
+TUNER_VERSION = 5  # 5: fused_moe for MoE models; 4: decode1 class, own GEMV in linear
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -205,7 +206,7 @@ def tune(
     path = cache_file(name, cache_dir)
     if not retune:
         cached = _read_cache(path).get(key)
-        if cached is not None and set(cached["choices"]) == all_keys():
+        if cached is not None and set(cached["choices"]) == all_keys(shapes):
             return TuningResult(**cached, from_cache=True)
     with _on_device(device):
         result = _measure(shapes, sizes, device, candidates)
@@ -219,8 +220,8 @@ def _measure(shapes, sizes, device, candidates) -> TuningResult:
     result = TuningResult(choices={}, times_us={})
     tol = REL_TOL[shapes.torch_dtype]
     reference = candidates.get("torch") or load_candidates(("torch",))["torch"]
-    for op, classes in OP_CLASSES.items():
-        for cls in classes:
+    for op in ops_for(shapes):
+        for cls in OP_CLASSES[op]:
             key = f"{op}.{cls}"
             graph = device.type == "cuda" and cls in GRAPH_CLASSES
             ref_out = _run_case(op, cls, shapes, sizes, device, torch.float32, reference)[1]
@@ -364,6 +365,17 @@ def _run_case(op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, 
 
         def call():
             return backend.silu_and_mul(x)
+    elif op == "fused_moe":
+        e, k, inter = shapes.num_experts, shapes.top_k, shapes.moe_intermediate_size
+        x = rand(n, h)
+        w13, w2 = rand(e, 2 * inter, h, scale=h**-0.5), rand(e, h, inter, scale=inter**-0.5)
+        # each row a permutation of distinct logits that every dtype holds exactly: the
+        # same experts win in bf16 as in the fp32 reference (no near-ties to flip)
+        ranks = torch.argsort(torch.rand(n, e, generator=gen), dim=-1).float()
+        logits = (ranks * 0.25).to(device=device, dtype=dtype)
+
+        def call():
+            return backend.fused_moe(x, logits, w13, w2, k, True)
     elif op == "store_kv_cache":
         bs = shapes.block_size
         num_blocks = -(-n // bs) * 2 + 1

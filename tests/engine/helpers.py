@@ -34,23 +34,25 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+# what every small random test model shares
+_SMALL = dict(
+    vocab_size=512,
+    hidden_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
     """A small random-weight Llama (llama3 rope scaling, untied head) or Qwen3."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = dict(_SMALL, intermediate_size=256, initializer_range=0.5)
     if kind == "llama":
         config = LlamaConfig(
             **common,
@@ -90,16 +92,8 @@ def save_random_moe_model(path: Path, kind: str, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
+        _SMALL,
         initializer_range=0.2,  # logits of a few units: fp32 sums agree to ~1e-5
-        bos_token_id=1,
-        eos_token_id=2,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     )

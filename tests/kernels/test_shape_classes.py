@@ -9,6 +9,7 @@ import torch
 
 from services.kernels.shape_classes import (
     OP_CLASSES,
+    KernelShapes,
     all_keys,
     attention_class,
     candidates_for,
@@ -19,8 +20,34 @@ from tests.kernels.helpers import make_attention_batch
 
 
 def test_all_keys_cover_every_op_and_class():
-    assert all_keys() == {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
+    dense = KernelShapes(64, 4, 2, 16, 96, 16, "float32")
+    moe = KernelShapes(64, 4, 2, 16, 96, 16, "float32", 1e-5, 8, 2, 32)
+    everything = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
+    assert all_keys(moe) == everything
+    assert all_keys(dense) == all_keys() == {k for k in everything if "fused_moe" not in k}
     assert "paged_attention.mixed" in all_keys() and "linear.mixed" not in all_keys()
+
+
+def test_moe_shapes_from_the_config():
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    qwen = Qwen3MoeConfig(
+        **common,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    shapes = KernelShapes.from_hf_config(qwen, 16, "float32")
+    assert (shapes.num_experts, shapes.top_k, shapes.moe_intermediate_size) == (8, 2, 32)
+    mixtral = MixtralConfig(**common, intermediate_size=96, num_local_experts=4)
+    shapes = KernelShapes.from_hf_config(mixtral, 16, "float32")
+    assert (shapes.num_experts, shapes.top_k, shapes.moe_intermediate_size) == (4, 2, 96)
+    dense = KernelShapes.from_hf_config(LlamaConfig(**common, intermediate_size=96), 16, "float32")
+    assert (dense.num_experts, dense.top_k, dense.moe_intermediate_size) == (0, 0, 0)
+    with pytest.raises(ValueError, match="top_k"):
+        KernelShapes(64, 4, 2, 16, 96, 16, "float32", 1e-5, 8, 9, 32)
 
 
 def test_parse_choices():

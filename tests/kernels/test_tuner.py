@@ -15,6 +15,7 @@ from services.engine import EngineConfig  # noqa: E402
 from services.kernels import get_backend  # noqa: E402
 from services.kernels.shape_classes import (  # noqa: E402
     GRAPH_CLASSES,
+    MOE_OPS,
     NOT_GRAPH_SAFE,
     OP_CLASSES,
     KernelShapes,
@@ -31,7 +32,10 @@ SHAPES = KernelShapes(
     block_size=16,
     dtype="float32",
 )
-ALL_KEYS = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
+ALL_KEYS = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs if op not in MOE_OPS}
+MOE_SHAPES = KernelShapes(
+    **{**SHAPES.__dict__, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,39 @@ def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
     table = result.table()
     assert table.count("\n") == len(ALL_KEYS) + 1 and "| paged_attention | prefill |" in table
     assert table.splitlines()[0].endswith("| choice | vs torch |")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
+    """Only MoE shapes add fused_moe; its decode classes never take the torch reference
+    (it syncs with the host); the tuned backend refuses to run without those choices."""
+    from services.kernels.tuned_backend import TunedBackend
+
+    sizes = TuningSizes.tiny()
+    result = tune(MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    moe_keys = {f"fused_moe.{c}" for c in OP_CLASSES["fused_moe"]}
+    assert set(result.choices) == ALL_KEYS | moe_keys
+    assert result.rejected == {}, result.rejected
+    for cls in GRAPH_CLASSES:
+        assert result.choices[f"fused_moe.{cls}"] == "triton"
+        assert "torch" not in result.times_us[f"fused_moe.{cls}"]
+    assert set(result.times_us["fused_moe.prefill"]) == {"torch", "triton"}
+    with pytest.raises(ValueError, match="fused_moe"):
+        TunedBackend(
+            candidates, {k: v for k, v in result.choices.items() if k in ALL_KEYS}, MOE_SHAPES
+        )
+    backend = TunedBackend(candidates, result.choices, MOE_SHAPES)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen)
+    logits = torch.randn(3, 4, generator=gen)
+    w13, w2 = (
+        torch.randn(4, 64, 64, generator=gen) * 0.1,
+        torch.randn(4, 64, 32, generator=gen) * 0.1,
+    )
+    want = TorchBackend().fused_moe(x, logits, w13, w2, 2, True)
+    torch.testing.assert_close(
+        backend.fused_moe(x, logits, w13, w2, 2, True), want, rtol=1e-4, atol=1e-4
+    )
 
 
 class _WrongNorm(TorchBackend):
