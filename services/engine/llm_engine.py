@@ -29,7 +29,7 @@ from services.engine.sampler import (
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
-from services.models.loader import load_hf_config, resolve_model_path
+from services.models.loader import check_supported, load_hf_config, resolve_model_path
 from services.models.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class LLMEngine:
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = config.max_model_len or model_max
+        check_supported(self.hf_config, max_model_len)
         self.runner = ModelRunner(
             config, self.hf_config, self.model_path, max(max_model_len, model_max)
         )

@@ -139,7 +139,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, ops: KernelBackend):
         super().__init__()
-        _refuse_sliding_window(config)
         self.config = config
         self.model = LlamaModel(config, ops, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -180,19 +179,3 @@ class LlamaForCausalLM(nn.Module):
             return starts[shard], sizes[shard]
         inter = self.config.intermediate_size
         return shard * inter, inter
-
-
-def _refuse_sliding_window(config) -> None:
-    """Every layer attends over the whole context here: a checkpoint that limits
-    attention to a window (Mistral-7B-v0.1: 4096) would silently compute something else
-    past it, so it is refused, naming the key."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or not getattr(config, "use_sliding_window", True):
-        return
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and window >= limit:
-        return  # the window covers every position the model can see
-    raise ValueError(
-        f"sliding_window={window} (config.json) is not supported: attention here covers "
-        'the whole context; set "sliding_window": null to serve it with full attention'
-    )

@@ -41,6 +41,27 @@ def load_hf_config(model_path: Path):
     return AutoConfig.from_pretrained(model_path)
 
 
+def check_supported(hf_config, max_model_len: int) -> None:
+    """Refuse, naming the config.json key, what this engine would otherwise compute
+    differently from the checkpoint's own model."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"quantization_config with quant_method {method!r} (config.json) is not "
+            "supported; supported: unquantized bfloat16 / float16 / float32 checkpoints"
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
+        # attention covers the whole context here, which equals windowed attention only
+        # while no sequence is longer than the window
+        raise ValueError(
+            f"sliding_window={window} (config.json): attention here covers the whole "
+            f"context, which equals the model's only up to {window} tokens; max_model_len "
+            f"is {max_model_len}: pass --max-model-len {window} (or less)"
+        )
+
+
 def load_model(
     hf_config,
     model_path: Path,

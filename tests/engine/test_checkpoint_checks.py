@@ -1,0 +1,52 @@
+"""Config keys the engine cannot honour are refused at start, by name, instead of
+being computed differently: a quantization_config (FP8, AWQ, ...) and a sliding window
+shorter than the sequences it would have to cover."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from tests.engine.helpers import save_random_model
+
+
+def _with_config(path, **keys):
+    config = json.loads((path / "config.json").read_text())
+    config.update(keys)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "compressed-tensors"])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(model_dir, method, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "q")
+    model = _with_config(copy, quantization_config={"quant_method": method, "bits": 8})
+    with pytest.raises(ValueError, match=f"quant_method '{method}'.*supported: unquantized"):
+        LLM(model, num_kv_blocks=8)
+
+
+def test_sliding_window_needs_max_model_len_within_it(model_dir, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "sw")
+    model = _with_config(copy, sliding_window=64)  # max_position_embeddings is 1024
+    with pytest.raises(ValueError, match="sliding_window=64.*--max-model-len 64"):
+        LLM(model, num_kv_blocks=8)
+    # within the window full attention is the model's own: served
+    llm = LLM(model, num_kv_blocks=8, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].output.token_ids) == 4
+    # a window that is switched off (Qwen's use_sliding_window) changes nothing
+    off = _with_config(
+        shutil.copytree(model_dir, tmp_path / "off"), sliding_window=64, use_sliding_window=False
+    )
+    assert LLM(off, num_kv_blocks=8).engine.max_model_len == 128  # the KV capacity
