@@ -7,6 +7,7 @@ config.json loaded with load_format="dummy" (random weights, for benchmarks)."""
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,10 @@ from safetensors import safe_open
 
 from services.kernels import KernelBackend
 from services.models import default_model
+from services.models.quantization import SCALE_SUFFIX, quantization_of
 from services.models.registry import model_class
+
+log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -44,13 +48,7 @@ def load_hf_config(model_path: Path):
 def check_supported(hf_config, max_model_len: int) -> None:
     """Refuse, naming the config.json key, what this engine would otherwise compute
     differently from the checkpoint's own model."""
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"quantization_config with quant_method {method!r} (config.json) is not "
-            "supported; supported: unquantized bfloat16 / float16 / float32 checkpoints"
-        )
+    quantization_of(hf_config)  # raises for an unsupported method
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
         # attention covers the whole context here, which equals windowed attention only
@@ -85,7 +83,7 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        _load_safetensors(model, model_path)
+        _load_safetensors(model, model_path, quantization_of(hf_config))
     # RoPE tables stay fp32: bf16 angles lose the position precision long contexts need.
     model.init_rope_cache(max_position, device)
     return model.eval()
@@ -102,7 +100,7 @@ def _init_dummy(model, seed: int) -> None:
             param.data.uniform_(-0.05, 0.05, generator=gen)
 
 
-def _load_safetensors(model, model_path: Path) -> None:
+def _load_safetensors(model, model_path: Path, quant=None) -> None:
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_path}")
@@ -112,12 +110,36 @@ def _load_safetensors(model, model_path: Path) -> None:
     for name, param in params.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)  # checkpoints may omit unit norms; never leave garbage
+    # quantized weights wait for their scales (they may sit in another file)
+    fp8_weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+
+    def load(name, tensor):
+        target = _load_tensor(model, params, name, tensor)
+        if target:
+            loaded[target[0]].add(target[1])
+
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = _load_tensor(model, params, name, f.get_tensor(name))
-                if target:
-                    loaded[target[0]].add(target[1])
+                tensor = f.get_tensor(name)
+                if quant is not None and name.endswith(SCALE_SUFFIX):
+                    scales[name.removesuffix(SCALE_SUFFIX)] = tensor
+                elif quant is not None and tensor.dtype == torch.float8_e4m3fn:
+                    fp8_weights[name.removesuffix(".weight")] = tensor
+                else:
+                    load(name, tensor)
+    if quant is not None:
+        if set(fp8_weights) != set(scales):
+            odd = sorted(set(fp8_weights) ^ set(scales))[:5]
+            raise ValueError(f"checkpoint {model_path}: FP8 weights and scales do not pair: {odd}")
+        for base, weight in fp8_weights.items():
+            load(f"{base}.weight", quant.dequantize(weight, scales[base], base))
+        log.warning(
+            "%d FP8 block-wise weights dequantized at load: no FP8 GEMM kernels yet, they take "
+            "the engine dtype's memory",
+            len(fp8_weights),
+        )
     missing = [
         name
         for name, pieces in expected.items()
