@@ -26,6 +26,7 @@ from router.registry import Worker, WorkerRegistry
 from router.request_id import RequestLog
 
 _QUEUE_SIZE = 1024  # responses buffered per request before the workers' streams wait
+_EVENT_MARGIN_S = 5.0
 
 
 @dataclass
@@ -80,10 +81,27 @@ class GenerationRun:
     async def __aenter__(self) -> GenerationRun:
         self.d._active.add(self.base_id)
         self.tasks = [
-            asyncio.create_task(self._choice(i), name=f"{self.request_id}/{i}")
+            asyncio.create_task(self._guarded_choice(i), name=f"{self.request_id}/{i}")
             for i in range(self.req.num_choices)
         ]
         return self
+
+    async def _guarded_choice(self, index: int) -> None:
+        """A choice always ends with an event: an exception in it (a value the worker
+        request cannot hold, a bug) ends the choice with an error instead of leaving
+        events() waiting for it."""
+        try:
+            await self._choice(index)
+        except asyncio.CancelledError:
+            raise
+        except (ValueError, TypeError) as e:  # building the worker request refused a value
+            self.log.warning("choice %d: the worker request cannot be built: %s", index, e)
+            await self.queue.put(Event(index, error=APIError(400, f"invalid request: {e}")))
+        except Exception:
+            self.log.exception("choice %d failed inside the router", index)
+            await self.queue.put(
+                Event(index, error=APIError(500, f"internal router error ({self.request_id})"))
+            )
 
     async def __aexit__(self, *exc) -> None:
         for t in self.tasks:
@@ -95,7 +113,20 @@ class GenerationRun:
         """Every choice's responses and errors, as they come, until all have ended."""
         left = self.req.num_choices
         while left:
-            ev = await self.queue.get()
+            # every choice ends by the request deadline (its gRPC call carries it); the
+            # margin only guards against a choice that never reports, which is a bug
+            wait = max(0.0, self.deadline - time.monotonic()) + _EVENT_MARGIN_S
+            try:
+                ev = await asyncio.wait_for(self.queue.get(), wait)
+            except TimeoutError:
+                self.log.error("%d choice(s) never reported by the request deadline", left)
+                yield Event(
+                    -1,
+                    error=unavailable(
+                        f"the request did not complete within {self.d.config.request_timeout:g}s"
+                    ),
+                )
+                return
             now = time.monotonic()
             if ev.resp is not None and ev.index not in self.first_token_at:
                 self.first_token_at[ev.index] = now

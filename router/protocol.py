@@ -18,6 +18,8 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**32 - 1
+MAX_UINT32 = 2**32 - 1  # max_tokens, min_tokens travel as uint32
+MAX_INT32 = 2**31 - 1  # top_k travels as int32
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MISSING = object()
 
@@ -177,10 +179,31 @@ def _token_list(v: Any, name: str) -> list[int]:
 # --------------------------------------------------------------------------- requests
 
 
+def _check_unicode(value: Any, path: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 string (and
+    no protobuf string field) can hold: refuse it here, naming where it is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            where = path or "the request body"
+            raise bad_request(
+                f"'{where}' contains a lone UTF-16 surrogate: not valid Unicode", path or None
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, path)
+            _check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}[{i}]")
+
+
 def _common(body: Any, kind: str) -> tuple[dict, dict]:
     """Shared fields of both endpoints -> (GenerationRequest kwargs, sampling dict)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_unicode(body, "")
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}, ""):
             raise bad_request(why, name)
@@ -206,8 +229,8 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _bool(opts, "include_usage")
 
-    max_tokens = _int(body, "max_tokens", 1)
-    max_completion = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1, MAX_UINT32)
+    max_completion = _int(body, "max_completion_tokens", 1, MAX_UINT32)
     if max_completion is not None:
         max_tokens = max_completion
     elif kind == "completion" and "max_tokens" not in body:
@@ -217,12 +240,12 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
     if seed is not None and seed + n - 1 > MAX_SEED:
         raise bad_request("'seed' + n - 1 must fit in a signed 64-bit integer", "seed")
 
-    min_tokens = _int(body, "min_tokens", 0, default=0)
+    min_tokens = _int(body, "min_tokens", 0, MAX_UINT32, default=0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(
             f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
         )
-    top_k = _int(body, "top_k", -1)
+    top_k = _int(body, "top_k", -1, MAX_INT32)
     stop_token_ids = _get(body, "stop_token_ids", [])
     if not isinstance(stop_token_ids, list):
         raise bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids")
@@ -289,7 +312,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         if not isinstance(m, dict):
             raise bad_request("each message must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
                 f"unsupported message role {role!r}; use system, user or assistant",
                 f"messages[{i}].role",

@@ -70,3 +70,45 @@ def test_dns_targets_are_followed(monkeypatch):
             await reg.close()
 
     asyncio.run(main())
+
+
+def _run_events(disp, req):
+    async def main():
+        log = RequestLog(logging.getLogger("t"), "rid")
+        async with disp.run(req, "rid", log, None) as run:
+            return [ev async for ev in run.events()]
+
+    return asyncio.run(asyncio.wait_for(main(), 10))  # a hang fails here instead
+
+
+def test_an_exception_in_a_choice_ends_it_with_an_error(monkeypatch):
+    """Injected faults: a value the worker request refuses (400) and a router bug (500)
+    end their choice with an error event; the request never waits for it forever."""
+    from router import dispatch
+
+    req = parse_completion_request({"prompt": "a", "n": 2})
+    for exc, status in ((ValueError("Value out of range: 5000000000"), 400), (KeyError("x"), 500)):
+
+        def broken(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(dispatch, "choose_pair", broken)
+        _, disp = make()
+        events = _run_events(disp, req)
+        assert sorted(ev.index for ev in events) == [0, 1]
+        assert all(ev.error.status == status for ev in events)
+        assert disp._active == set()
+
+
+def test_a_choice_that_never_reports_ends_at_the_deadline(monkeypatch):
+    from router import dispatch
+
+    async def silent(self, index):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(dispatch.GenerationRun, "_choice", silent)
+    monkeypatch.setattr(dispatch, "_EVENT_MARGIN_S", 0.1)
+    _, disp = make(request_timeout=0.2)
+    events = _run_events(disp, parse_completion_request({"prompt": "a"}))
+    assert len(events) == 1 and events[0].error.status == 503
+    assert "did not complete within 0.2s" in events[0].error.message

@@ -33,6 +33,10 @@ CHAT_ERRORS = [
     ),
     (chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]), None),
     (chat(model=5), "model"),
+    (chat(messages=[{"role": {}, "content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": "user", "content": "hi \ud800"}]), "messages[0].content"),
+    (chat(max_completion_tokens=2**32), "max_completion_tokens"),
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_tokens="5"), "max_tokens"),
     (chat(max_tokens=True), "max_tokens"),
@@ -94,6 +98,14 @@ COMPLETION_ERRORS = [
     (comp(suffix="x"), "suffix"),
     (comp(best_of=3), "best_of"),
     (comp(max_tokens=0), "max_tokens"),
+    # values the worker request cannot hold (they used to hang the request)
+    (comp(max_tokens=5_000_000_000), "max_tokens"),
+    (comp(max_tokens=10**12), "max_tokens"),
+    (comp(min_tokens=5_000_000_000), "min_tokens"),
+    (comp(top_k=3_000_000_000), "top_k"),
+    (comp(prompt="hi \ud800"), "prompt"),
+    (comp(prompt=["ok", "hi \ud800"]), "prompt[1]"),
+    (comp(stop=["\udfff"]), "stop[0]"),
 ]
 
 
