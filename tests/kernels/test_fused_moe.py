@@ -12,14 +12,12 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-import services.kernels.triton.moe as moe  # noqa: E402
+import services.kernels.triton.moe_align as moe_align  # noqa: E402
 from services.kernels.torch_backend import TorchBackend, select_experts  # noqa: E402
-from services.kernels.triton.moe import (  # noqa: E402
-    _check_config,
+from services.kernels.triton.moe import _check_config, default_config, fused_moe  # noqa: E402
+from services.kernels.triton.moe_align import (  # noqa: E402
     align_plan,
     align_sizes,
-    default_config,
-    fused_moe,
     route_and_align,
 )
 from services.kernels.triton_backend import TritonBackend  # noqa: E402
@@ -230,7 +228,7 @@ def test_route_ties_and_infinite_logits(device):
 @pytest.mark.parametrize("t,e,top_k", [(9, 8, 2), (13, 4, 4)])
 def test_fused_moe_several_chunks(t, e, top_k, device, monkeypatch):
     # the three-launch alignment path (prefill-sized batches) end to end
-    monkeypatch.setattr(moe, "align_plan", _small_chunks)
+    monkeypatch.setattr(moe_align, "align_plan", _small_chunks)
     x, logits, w13, w2 = _moe_inputs(t, e, device=device, seed=11)
     out = fused_moe(x, logits, w13, w2, top_k, True, config=SMALL)
     assert_close_rel(out, _reference(x, logits, w13, w2, top_k, True), torch.float32)
