@@ -64,10 +64,9 @@ class TunedBackend:
         backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
-        key = f"fused_moe.{token_class(x.shape[0])}"
-        if key not in self._pick:
-            raise ValueError("this tuned backend was built for a dense model (no fused_moe)")
-        return self._pick[key].fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+        # built from a MoE model's shapes, the backend has a choice for every class
+        backend = self._by_tokens("fused_moe", x.shape[0])
+        return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)
