@@ -11,6 +11,13 @@ FLOPs count the active parameters (non-expert + k/E of the experts).
 
     python benchmarks/gpu_engine_bench.py --config benchmarks/configs/llama3-8b.json \\
         --batch 1 8 64 256 --ctx 1024 --kernel-backend triton
+
+FP8 weights: a config with a quantization_config (llama3-8b-fp8.json,
+llama3-70b-fp8.json: block-wise 128 x 128, as Qwen3-*-FP8 / DeepSeek-V3 ship) makes the
+dummy weights FP8 with random block scales; `--quantization fp8` makes any config's
+linears per-channel FP8 (online quantization's format). Weight bytes, and so the floor,
+count what is in memory: one byte per FP8 weight, plus scales and the bf16 embeddings
+and LM head.
 """
 
 from __future__ import annotations
@@ -78,6 +85,16 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--kernel-backend", default="triton")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="per-channel FP8 linears (as online quantization makes them); FP8 block-wise "
+        "weights come from a config with a quantization_config instead",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (bf16) or fp8_e4m3: KV bytes halve"
+    )
     ap.add_argument("--kernel-choices", default=None, help="tuned backend overrides")
     ap.add_argument(
         "--no-async-scheduling", action="store_true", help="read each step's tokens first"
@@ -100,6 +117,8 @@ def main() -> None:
         dtype="bfloat16",
         kernel_backend=args.kernel_backend,
         kernel_choices=args.kernel_choices,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(8192, args.prefill_len),
         enforce_eager=args.enforce_eager,
@@ -110,7 +129,13 @@ def main() -> None:
     params = sum(p.numel() for p in engine.runner.model.parameters())
     moe = [m for m in engine.runner.model.modules() if hasattr(m, "num_experts")]
     expert_params = sum(m.w13.numel() + m.w2.numel() for m in moe)
-    expert_bytes = expert_params * (weight_bytes // params)
+    expert_bytes = sum(
+        m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for m in moe
+    )
+    fp8_bytes = sum(
+        p.numel() for p in engine.runner.model.parameters() if p.dtype == torch.float8_e4m3fn
+    )
+    quant = cfg.get("quantization_config", {}).get("quant_method") or args.quantization
     route_share = moe[0].top_k / moe[0].num_experts if moe else 1.0
     active_params = params - expert_params + expert_params * route_share
 
@@ -123,12 +148,15 @@ def main() -> None:
         "weight_GB": weight_bytes / 1e9,
         "active_params_B": active_params / 1e9,
         "kernel_backend": args.kernel_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "weights": f"{quant} ({fp8_bytes / 1e9:.2f} GB in FP8)" if quant else "bfloat16",
         "async_scheduling": engine.config.async_scheduling_enabled,
         "decode": [],
         "prefill": None,
     }
     print(
-        f"copy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB "
+        f"({results['weights']}), "
         f"floor {touched_bytes(1) / bw * 1e3:.2f} ms/step at batch 1"
         + (f" (MoE: {len(moe)} layers, {expert_bytes / 1e9:.1f} GB of experts)" if moe else ""),
         flush=True,

@@ -8,7 +8,12 @@ operation at Llama-3-8B shapes and print a markdown table.
 Times are medians from triton.testing.do_bench (L2 flushed between runs) or CUDA
 events when triton is missing. paged_attention is timed after prepare_attention (the
 engine runs that once per step for all layers). Each backend's output is also checked
-against the torch backend (relative Frobenius error, `err` column)."""
+against the torch backend (relative Frobenius error, `err` column).
+
+linear / fp8_linear: Llama-3-8B's gate_up and down projections with bf16 weights, and
+with FP8 weights (block 128 x 128 and per-channel scales, activations quantized per
+token at every call, included in the time): the FP8 rate beside the bf16 one. The
+torch backend's FP8 row is the dequantizing reference (correct, not fast)."""
 
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ import os
 import sys
 from dataclasses import dataclass
 
-BACKENDS = ("torch", "triton", "aiter")
+# scaled_mm (torch._scaled_mm, cuBLASLt FP8) runs the fp8_linear rows only
+BACKENDS = ("torch", "triton", "aiter", "scaled_mm")
 OPS = (
+    "linear",
+    "fp8_linear",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -247,6 +255,31 @@ def build_cases(args, torch, dtype, dev) -> list[Case]:
                 4 * kk.numel() * esize, None))
         )  # fmt: skip
 
+    # linears, bf16 and FP8: Llama-3-8B's gate_up and down projections
+    from services.kernels.fp8 import Fp8Format
+    from services.models.fp8_linear import Fp8Linear
+
+    gen = torch.Generator(dev).manual_seed(0)
+    for n, kdim in [(2 * inter, hidden), (hidden, inter)]:
+        dense = torch.nn.Linear(kdim, n, bias=False, device=dev, dtype=dtype)
+        fp8 = {}
+        for fmt in (Fp8Format("block", 128, 128), Fp8Format("channel")):
+            layer = Fp8Linear(kdim, n, False, fmt, None).to(dev)
+            layer.fill_random(gen, 0.05)
+            fp8[fmt.granularity] = layer
+        for t in token_counts:
+            x = randn(t, kdim)
+            flops = 2 * t * n * kdim
+            cases.append(
+                Case("linear", f"T={t} N={n} K={kdim} bf16", lambda x=x, w=dense, f=flops: (
+                    lambda b: b.linear(x, w), w.weight.numel() * esize, f))
+            )  # fmt: skip
+            for name, layer in fp8.items():
+                cases.append(
+                    Case("fp8_linear", f"T={t} N={n} K={kdim} {name}", lambda x=x, w=layer,
+                         f=flops: (lambda b: b.linear(x, w), w.weight.numel(), f))
+                )  # fmt: skip
+
     # fused MoE: bytes are the weights of the experts hit at most, as decode reads them
     e, k, h, i = (8, 2, 64, 32) if smoke else (MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER)
     w13, w2 = randn(e, 2 * i, h) * h**-0.5, randn(e, h, i) * i**-0.5
@@ -339,7 +372,12 @@ def main(argv=None) -> int:
     backends = {}
     for name in args.backends:
         try:
-            backends[name] = get_backend(name)
+            if name == "scaled_mm":  # a tuner candidate, not an engine backend
+                from services.kernels.scaled_mm_backend import ScaledMMBackend
+
+                backends[name] = ScaledMMBackend(dev if dev.type == "cuda" else None)
+            else:
+                backends[name] = get_backend(name)
         except ValueError as exc:
             print(f"skipping backend {name}: {exc}", file=sys.stderr)
     if "torch" not in backends:
@@ -365,6 +403,8 @@ def main(argv=None) -> int:
             ref = _first(run(backends["torch"]))
             base = None
             for name, backend in backends.items():
+                if name == "scaled_mm" and case.op != "fp8_linear":
+                    continue
                 try:
                     out = _first(run(backend))
                     err = _rel_err(out, ref) if out is not None else 0.0

@@ -9,6 +9,7 @@ blocks, described by integer addresses and byte counts (no torch here).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -33,7 +34,8 @@ DTYPE_SIZES: dict[str, int] = {
 LAYOUTS: tuple[str, ...] = ("block_major",)
 
 # Fields that must agree between the two ends of a transfer (num_blocks may differ:
-# each side sizes its own pool).
+# each side sizes its own pool). Blocks move as bytes, so an FP8 cache's per-layer
+# scales must agree too: the same bytes under another scale are other values.
 COMPAT_FIELDS: tuple[str, ...] = (
     "layout",
     "dtype",
@@ -41,7 +43,10 @@ COMPAT_FIELDS: tuple[str, ...] = (
     "num_layers",
     "num_kv_heads",
     "head_dim",
+    "k_scales",
+    "v_scales",
 )
+_SCALE_FIELDS = ("k_scales", "v_scales")
 
 
 class KVLayoutMismatch(ValueError):
@@ -71,10 +76,18 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     layout: str = "block_major"
+    # Scaled caches (FP8): each layer's K and V scale (stored = value / scale), one per
+    # layer; empty for a cache that stores values as they are.
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim"):
             _check_int(name, getattr(self, name), 1)
+        for name in _SCALE_FIELDS:
+            object.__setattr__(self, name, self._scales(name))  # frozen: normalise once
+        if bool(self.k_scales) != bool(self.v_scales):
+            raise ValueError("k_scales and v_scales must be given together")
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a str, got {type(self.dtype).__name__}")
         dtype = self.dtype.removeprefix("torch.")
@@ -83,6 +96,24 @@ class KVLayout:
         object.__setattr__(self, "dtype", dtype)  # frozen: normalise once here
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+
+    def _scales(self, name: str) -> tuple[float, ...]:
+        value = getattr(self, name)
+        try:  # a tuple, a JSON list or a protobuf repeated field
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            scales = tuple(value)
+        except TypeError:
+            raise ValueError(f"{name} must be a sequence of floats, got {value!r}") from None
+        for s in scales:
+            ok = isinstance(s, (int, float)) and not isinstance(s, bool)
+            if not ok or not math.isfinite(s) or s <= 0:
+                raise ValueError(f"{name} must hold positive finite floats, got {s!r}")
+        if scales and len(scales) != self.num_layers:
+            raise ValueError(
+                f"{name} has {len(scales)} entries for {self.num_layers} layers (one per layer)"
+            )
+        return tuple(float(s) for s in scales)
 
     @property
     def dtype_size(self) -> int:
@@ -100,7 +131,10 @@ class KVLayout:
         return self.num_blocks * self.block_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for name in _SCALE_FIELDS:
+            out[name] = list(out[name])  # JSON and protobuf repeated fields
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
@@ -116,10 +150,18 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise KVLayoutMismatch naming every field where local and remote disagree."""
     diffs = [f for f in COMPAT_FIELDS if getattr(local, f) != getattr(remote, f)]
     if diffs:
-        detail = ", ".join(
-            f"{f}: local={getattr(local, f)!r} remote={getattr(remote, f)!r}" for f in diffs
-        )
+        detail = ", ".join(_describe(f, getattr(local, f), getattr(remote, f)) for f in diffs)
         raise KVLayoutMismatch(f"incompatible KV layouts ({detail})", diffs)
+
+
+def _describe(field: str, mine: Any, theirs: Any) -> str:
+    if field not in _SCALE_FIELDS:
+        return f"{field}: local={mine!r} remote={theirs!r}"
+    # one entry per layer: name the first layer that differs, not two long lists
+    if len(mine) != len(theirs):
+        return f"{field}: local has {len(mine) or 'none'}, remote {len(theirs) or 'none'}"
+    layer = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+    return f"{field}: layer {layer} local={mine[layer]!r} remote={theirs[layer]!r}"
 
 
 def coalesce(

@@ -18,9 +18,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype) or fp8_e4m3 (alias fp8): KV stored as float8_e4m3fn "
+        "with per-layer scales (the checkpoint's k_scale / v_scale, else 1.0): half the KV "
+        "memory and transfer bytes of bf16; prefill and decode workers must agree",
+    )
+    p.add_argument(
         "--load-format",
         default="auto",
         help="auto or safetensors (the folder's *.safetensors), or dummy (random weights)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: quantize an unquantized checkpoint's linear layers to FP8 at load "
+        "(per-channel weights, dynamic per-token activations). FP8 checkpoints (block-wise "
+        "fp8, compressed-tensors FP8_DYNAMIC) load as FP8 without it",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -59,7 +74,9 @@ def engine_config_from_args(args, role: str):
         role=role,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -207,14 +224,14 @@ def _cmd_tune_kernels(args) -> int:
     choices where the tuned backend looks for them, and print the table."""
     import logging
 
-    from services.kernels.shape_classes import KernelShapes
+    from services.engine.model_runner import kernel_shapes
     from services.kernels.tuner import tune
     from services.models.loader import load_hf_config, resolve_model_path
 
     logging.basicConfig(level=logging.WARNING)
     config = engine_config_from_args(args, "both")
     hf_config = load_hf_config(resolve_model_path(config.model))
-    shapes = KernelShapes.from_hf_config(hf_config, config.block_size, config.torch_dtype_name)
+    shapes = kernel_shapes(config, hf_config)
     result = tune(shapes, config.device, retune=not args.use_cache)
     print(f"{result.device_name}, {shapes.dtype}, block size {shapes.block_size}; microseconds")
     print(result.table())

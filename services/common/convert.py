@@ -93,6 +93,8 @@ def agent_from_pb(pb: common_pb2.KVAgentInfo) -> KVAgentInfo:
         "head_dim",
         "dtype",
         "layout",
+        "k_scales",
+        "v_scales",
     )
     layout = KVLayout(**{f: getattr(pb.layout, f) for f in fields})
     return KVAgentInfo(

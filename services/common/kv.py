@@ -21,6 +21,8 @@ def kv_layout(kv_cache: torch.Tensor, spec) -> KVLayout:
         head_dim=spec.head_dim,
         dtype=str(spec.dtype).removeprefix("torch."),
         layout="block_major",
+        k_scales=spec.k_scales,
+        v_scales=spec.v_scales,
     )
 
 

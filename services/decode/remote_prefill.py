@@ -114,6 +114,11 @@ class RemotePrefill:
             # they are freed (the caller frees them).
             await self._abort_remote(address, key)
             raise
+        except KVLayoutMismatch:
+            # The handshake refused the pair (before any write): that never heals, and
+            # recomputing every request here would hide the misconfiguration. The
+            # caller frees the reserved blocks; the client gets FAILED_PRECONDITION.
+            raise
         except (grpc.aio.AioRpcError, PeerFailedError, ValueError) as e:
             if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None  # the request is bad, not the peer

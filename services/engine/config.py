@@ -9,6 +9,9 @@ from services.kernels.shape_classes import parse_choices
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter", "tuned")
+# vLLM's spellings; "fp8" is its alias of fp8_e4m3 (float8_e4m3fn, per-layer K / V scales)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -17,7 +20,14 @@ class EngineConfig:
     role: str = "both"
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    # KV cache storage: auto (the model's dtype) or fp8_e4m3 / fp8 (half the bytes of
+    # bf16, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0)
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
+    # "fp8": quantize an unquantized checkpoint's linear layers to FP8 at load (one
+    # scale per output channel, dynamic per-token activation scales); FP8 checkpoints
+    # need nothing (their config.json says so)
+    quantization: str | None = None
     kernel_backend: str = "auto"  # torch on CPU, tuned on GPU (with triton installed)
     # overrides of the tuner's picks, "op[.class]=candidate,..." (tuned backend only)
     kernel_choices: str | None = None
@@ -42,8 +52,16 @@ class EngineConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
@@ -91,6 +109,10 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return self.device.startswith("cuda")
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return self.kv_cache_dtype in ("fp8_e4m3", "fp8")
 
     @property
     def torch_dtype_name(self) -> str:

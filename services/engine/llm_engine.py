@@ -74,7 +74,7 @@ class LLMEngine:
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = config.max_model_len or model_max
-        check_supported(self.hf_config, max_model_len)
+        check_supported(self.hf_config, max_model_len, config.quantization)
         self.runner = ModelRunner(
             config, self.hf_config, self.model_path, max(max_model_len, model_max)
         )

@@ -10,6 +10,7 @@ small ones per block."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,14 @@ from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
 from services.engine.sampler import DeviceTokens, Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import ScheduledSeq
 from services.kernels import AttentionMetadata, get_backend
-from services.kernels.shape_classes import KernelShapes
+from services.kernels.interface import FP8_KV_DTYPE
+from services.kernels.shape_classes import KernelShapes, weight_quant_tag
 from services.models.loader import load_model
+from services.models.quantization import quantization_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,12 +35,31 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cache's: the model's, or float8_e4m3fn
+    # FP8 cache: each layer's K and V scale (stored = value / scale); empty otherwise
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def kernel_shapes(config, hf_config) -> KernelShapes:
+    """What the kernel tuner measures for this engine config and model: its shapes,
+    dtypes, KV cache dtype and FP8 weight format."""
+    quant = quantization_of(hf_config, config.quantization)
+    # the unfused layers' format: a per-tensor checkpoint's fused qkv / gate_up are
+    # per-channel, the same kernels with a row of scales
+    fmt = quant.layer_format(fused=False) if quant is not None else None
+    return KernelShapes.from_hf_config(
+        hf_config,
+        config.block_size,
+        config.torch_dtype_name,
+        kv_cache_dtype="fp8_e4m3" if config.kv_cache_fp8 else "auto",
+        weight_quant=weight_quant_tag(fmt),
+    )
 
 
 class ModelRunner:
@@ -50,9 +74,7 @@ class ModelRunner:
         backend = config.kernel_backend_name
         tuning = {}
         if backend == "tuned":  # the tuner measures at this model's shapes
-            shapes = KernelShapes.from_hf_config(
-                hf_config, config.block_size, config.torch_dtype_name
-            )
+            shapes = kernel_shapes(config, hf_config)
             tuning = dict(shapes=shapes, device=self.device, choices=config.kernel_choices)
         self.ops = get_backend(backend, **tuning)
         self.model = load_model(
@@ -64,18 +86,42 @@ class ModelRunner:
             max_position=max_model_len,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
         )
         attn = self.model.attention_layers()[0]
+        k_scales, v_scales = self._kv_scales()
         self.kv_spec = KVCacheSpec(
             num_layers=len(self.model.attention_layers()),
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=FP8_KV_DTYPE if config.kv_cache_fp8 else self.dtype,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self.graph_runner: CUDAGraphRunner | None = None
+
+    def _kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Settle each attention layer's k_scale / v_scale: the checkpoint's (the loader
+        set them) or 1.0 for an FP8 cache, as vLLM does; None for a cache in the model's
+        dtype, which stores values unscaled."""
+        layers = self.model.attention_layers()
+        if not self.config.kv_cache_fp8:
+            if any(a.k_scale is not None or a.v_scale is not None for a in layers):
+                log.warning(
+                    "the checkpoint has k_scale / v_scale for an FP8 KV cache; unused: "
+                    "kv_cache_dtype is auto (KV in %s)",
+                    self.dtype,
+                )
+            for a in layers:
+                a.k_scale = a.v_scale = None
+            return (), ()
+        for a in layers:
+            a.k_scale = 1.0 if a.k_scale is None else a.k_scale
+            a.v_scale = 1.0 if a.v_scale is None else a.v_scale
+        return tuple(a.k_scale for a in layers), tuple(a.v_scale for a in layers)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (after the KV cache exists). A no-op on CPU, with

@@ -18,16 +18,30 @@ Mapped ops (each checked against the torch reference in tests/kernels):
   rows; strided [T, H, D] q/k views are made contiguous first).
 - rotary_embedding -> rope_cached_thd_positions_2c_fwd (neox, cos/sin read straight
   from the two halves of cos_sin_cache); power-of-two head_dim only, else fallback.
+- fused_moe -> moe_op_silu_fused.fused_moe_silu + moe_op.fused_moe (aiter_moe.py),
+  with pdserve's routing and alignment.
+- linear of an FP8 layer -> gemm_a8w8_blockscale (block weights) or gemm_a8w8 (channel
+  / tensor weights, per-token activation scales), activations quantized by pdserve's
+  Triton quantizer; tuning tables borrowed from PDSERVE_AITER_ARCH like every AITER GEMM.
 - silu_and_mul, store_kv_cache: AITER has no plain Triton equivalent (only fused quant
   / MLA variants): the triton backend's kernels.
+- An FP8 KV cache: paged attention runs the triton backend's kernel (unified_attention
+  reads FP8 only with its scales as device tensors, not wired up yet); logged once and
+  counted in `fallbacks`.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+
 import torch
 
 from services.kernels import aiter_shims
-from services.kernels.interface import AttentionMetadata
+from services.kernels.fp8 import fp8_format_of
+from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
+
+log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> bool:
@@ -51,8 +65,16 @@ class AiterBackend:
 
             fallback = TritonBackend()
         self.fallback = fallback
+        # calls sent to the fallback for a reason worth seeing (reason -> calls traced;
+        # a captured CUDA graph counts once, at capture)
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self._moe = None  # AITER's fused-MoE GEMMs, loaded on a MoE model's first call
+        self._fp8 = None  # AITER's FP8 GEMMs, loaded on an FP8 model's first call
+        self._fp8_fallback_logged = False
 
     def linear(self, x, layer):
+        if fp8_format_of(layer) is not None:
+            return self._fp8_linear(x, layer)
         if self._gemm is None or x.dtype not in (torch.float16, torch.bfloat16):
             return self.fallback.linear(x, layer)
         x2 = x.reshape(-1, x.shape[-1])
@@ -60,6 +82,53 @@ class AiterBackend:
             x2 = x2.contiguous()
         y = self._gemm.gemm_a16w16(x2, layer.weight, layer.bias, dtype=x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _fp8_linear(self, x, layer):
+        from services.kernels.triton.fp8_gemm import quantize_activation  # lazy, as above
+
+        if self._fp8 is None:  # on an FP8 model's first call
+            self._fp8 = (
+                aiter_shims.load_triton_op("gemm_a8w8_blockscale"),
+                aiter_shims.load_triton_op("gemm_a8w8"),
+            )
+        blockscale, a8w8 = self._fp8
+        fmt, weight = layer.fp8_format, layer.weight
+        n, k = weight.shape
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        xq, xs = quantize_activation(x2, fmt.act_group(k))
+        if fmt.granularity == "block":
+            # the kernel derives the scale blocks from the scale shapes (the next power of
+            # two of K / scale columns), which gives block_k only for power-of-two blocks
+            # and K >= block_k: anything else runs pdserve's Triton FP8 GEMM (logged once)
+            pow2 = not (fmt.block_k & (fmt.block_k - 1) or fmt.block_n & (fmt.block_n - 1))
+            if not pow2 or k < fmt.block_k:
+                if not self._fp8_fallback_logged:
+                    log.warning(
+                        "aiter backend: FP8 %dx%d blocks with K=%d do not fit AITER's "
+                        "block-scale GEMM: the %s backend's FP8 GEMM runs them",
+                        fmt.block_n,
+                        fmt.block_k,
+                        k,
+                        self.fallback.name,
+                    )
+                    self._fp8_fallback_logged = True
+                return self.fallback.linear(x, layer)
+            # a copy: the wrapper edits the config dict it is given, and _get_config
+            # returns its cached one
+            config = dict(blockscale._get_config(m, n, k))
+            out = blockscale.gemm_a8w8_blockscale(
+                xq, weight, xs, layer.weight_scale, dtype=x.dtype, config=config
+            )
+            if layer.bias is not None:
+                out = out + layer.bias
+        else:
+            row = layer.__dict__.get("_aiter_row_scale")
+            if row is None:  # [1, N] fp32, built once per layer
+                row = layer.weight_scale.float().reshape(-1).expand(n).reshape(1, n).contiguous()
+                layer.__dict__["_aiter_row_scale"] = row
+            out = a8w8.gemm_a8w8(xq, weight, xs, row, layer.bias, dtype=x.dtype)
+        return out.view(*x.shape[:-1], n)
 
     # ---- norms -------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -115,12 +184,15 @@ class AiterBackend:
     def silu_and_mul(self, x):
         return self.fallback.silu_and_mul(x)
 
-    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
-        self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
-        # AITER's Triton MoE kernels are not wired through the shims yet
-        return self.fallback.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
+        if self._moe is None:
+            from services.kernels.aiter_moe import AiterFusedMoE  # lazy: MoE models only
+
+            self._moe = AiterFusedMoE()
+        return self._moe(x, router_logits, w13, w2, top_k, renormalize, config)
 
     # ---- attention ---------------------------------------------------------------
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
@@ -148,7 +220,19 @@ class AiterBackend:
             and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
         )
 
-    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+    def paged_attention(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
+    ):
+        if kv_cache_is_fp8(k_cache, k_scale, v_scale):
+            if not self.fallbacks["paged_attention.fp8_kv"]:
+                log.warning(
+                    "aiter backend: FP8 KV cache: paged attention runs the %s backend's kernel",
+                    self.fallback.name,
+                )
+            self.fallbacks["paged_attention.fp8_kv"] += 1
+            return self.fallback.paged_attention(
+                q, k_cache, v_cache, metadata, scale, k_scale, v_scale
+            )
         if not self.supports_attention(q, k_cache):
             return self.fallback.paged_attention(q, k_cache, v_cache, metadata, scale)
         if "aiter" not in metadata.backend_data:

@@ -9,6 +9,24 @@ from typing import Protocol
 
 import torch
 
+# FP8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8): OCP e4m3 bytes, each layer's K and V
+# with one scale of its own (vLLM's k_scale / v_scale). Stored = clamp(x / scale, +-448)
+# rounded to nearest even; read = stored * scale. A scale of None means 1.0.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: larger values saturate
+
+
+def kv_cache_is_fp8(cache: torch.Tensor, k_scale=None, v_scale=None) -> bool:
+    """Whether a cache holds FP8 KV. Raises ValueError for scales given with a cache in a
+    wider dtype (they would be ignored) and for 8-bit float formats we do not write."""
+    if cache.dtype == FP8_KV_DTYPE:
+        return True
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+        raise ValueError(f"KV cache dtype {cache.dtype} is not supported (only {FP8_KV_DTYPE})")
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale apply to an FP8 KV cache only, not {cache.dtype}")
+    return False
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,7 +55,10 @@ class KernelBackend(Protocol):
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """x @ layer.weight.T + layer.bias; the backend may keep its own weight layout
-        on the layer (weights do not change after loading)."""
+        on the layer (weights do not change after loading). An FP8 layer
+        (fp8.fp8_format_of(layer) is not None: float8_e4m3fn weight, fp32 weight_scale,
+        bias in x's dtype) computes fp8.fp8_linear_reference's math: activations
+        quantized dynamically as its format says, output in x's dtype."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -66,9 +87,14 @@ class KernelBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> None:
         """Write k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] (strided
-        views are allowed) at the given flat slots (block_id * block_size + offset)."""
+        views are allowed) at the given flat slots (block_id * block_size + offset).
+        An FP8 cache (FP8_KV_DTYPE) stores k / k_scale and v / v_scale, clamped to
+        +-FP8_E4M3_MAX and rounded to nearest even (None: scale 1.0); scales with any
+        other cache dtype are a ValueError (kv_cache_is_fp8)."""
         ...
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
@@ -82,9 +108,14 @@ class KernelBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context
-        (which already holds this step's keys). Returns [T, Hq, D]."""
+        (which already holds this step's keys). Returns [T, Hq, D] in q's dtype.
+        An FP8 cache is read as stored * k_scale / v_scale (None: 1.0) and computed in
+        q's dtype; no host synchronisation (the scales are host floats, baked into a
+        captured CUDA graph, which is right: they never change after loading)."""
         ...
 
     def fused_moe(

@@ -9,7 +9,8 @@ and it lets the dense kernels handle cached prefixes: queries sit at the end of 
 sequence's keys (bottom-right causal alignment, as FlashAttention does for q < k).
 
 Needs the host copies of the lengths (AttentionMetadata.cu_seqlens_q_cpu /
-seq_lens_cpu), so it only runs eager steps, never inside a captured CUDA graph."""
+seq_lens_cpu), so it only runs eager steps, never inside a captured CUDA graph.
+An FP8 cache is dequantized (stored * k_scale / v_scale, in q's dtype) by that gather."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from services.kernels.interface import AttentionMetadata
-from services.kernels.torch_backend import TorchBackend
+from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
+from services.kernels.torch_backend import TorchBackend, dequantize_kv
 
 
 def _varlen_attn():
@@ -67,12 +68,17 @@ class SdpaBackend(TorchBackend):
         blocks = metadata.block_tables.to(torch.int64)[seq_ids, pos // bs]
         metadata.backend_data["sdpa"] = (blocks, pos % bs, cu_k_t, cu_k)
 
-    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+    def paged_attention(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
+    ):
+        fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         if "sdpa" not in metadata.backend_data:
             self.prepare_attention(metadata)
         blocks, offsets, cu_k_t, cu_k = metadata.backend_data["sdpa"]
         k = k_cache[blocks, offsets]  # [total_keys, Hk, D]
         v = v_cache[blocks, offsets]
+        if fp8:
+            k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         if self.uses_varlen(q):
             return self._flash_varlen(q, k, v, metadata, cu_k_t, scale)
         return self._per_sequence(q, k, v, metadata.cu_seqlens_q_cpu, cu_k, scale)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kernels.fp8 import Fp8Format
 from services.kernels.interface import AttentionMetadata
 
 # Decode classes by token count (the largest captured decode batch is 256).
@@ -33,9 +34,12 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "store_kv_cache": _TOKEN_CLASSES,
     "paged_attention": (*DECODE_CLASSES, "prefill", "mixed"),
     "fused_moe": _TOKEN_CLASSES,
+    # linear on FP8 weights (services/kernels/fp8.py); unquantized layers stay `linear`
+    "fp8_linear": _TOKEN_CLASSES,
 }
 # ops only some models run: a dense model needs no choice for them
 MOE_OPS = ("fused_moe",)
+FP8_OPS = ("fp8_linear",)
 CANDIDATES: dict[str, tuple[str, ...]] = {
     # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
     "linear": ("torch", "triton", "aiter"),
@@ -43,10 +47,15 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
     "silu_and_mul": ("torch", "triton"),
     "store_kv_cache": ("torch", "triton"),
-    # AITER's Triton MoE kernels are not wired through the shims yet
-    "fused_moe": ("torch", "triton"),
+    # triton and aiter: each timed at a few launch configs (TUNED_CONFIG_CANDIDATES)
+    "fused_moe": ("torch", "triton", "aiter"),
+    # scaled_mm: cuBLASLt through torch._scaled_mm (channel / tensor scales, sm_89+)
+    "fp8_linear": ("torch", "triton", "aiter", "scaled_mm"),
 }
 DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
+# (op, candidate) pairs whose launch settings (tiles, warps, stages) the tuner also
+# picks per class and GPU; the tuned backend passes the pick as `config=`.
+TUNED_CONFIG_CANDIDATES = {("fused_moe", "triton"), ("fused_moe", "aiter")}
 # Candidates that are timed only for some classes of an op: own triton's linear runs
 # its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
 ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}
@@ -64,7 +73,8 @@ GRAPH_CLASSES = tuple(DECODE_CLASSES)
 def ops_for(shapes: KernelShapes | None = None) -> list[str]:
     """The ops a model with these shapes runs (None: a dense model)."""
     moe = shapes is not None and shapes.num_experts > 0
-    return [op for op in OP_CLASSES if moe or op not in MOE_OPS]
+    fp8 = shapes is not None and bool(shapes.weight_quant)
+    return [op for op in OP_CLASSES if (moe or op not in MOE_OPS) and (fp8 or op not in FP8_OPS)]
 
 
 def all_keys(shapes: KernelShapes | None = None) -> set[str]:
@@ -114,6 +124,12 @@ class KernelShapes:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
+    # "auto" (the KV cache in `dtype`) or "fp8_e4m3": the KV write and attention are
+    # measured on a scaled float8_e4m3fn cache, so no candidate that misreads it is kept
+    kv_cache_dtype: str = "auto"
+    # FP8 linear weights: "" (none), "fp8_channel", "fp8_tensor" or "fp8_block_<n>x<k>"
+    # (weight_quant_tag); fp8_linear is then measured on weights of that format
+    weight_quant: str = ""
 
     def __post_init__(self):
         for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -125,6 +141,12 @@ class KernelShapes:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}"
+            )
+        if self.weight_quant:
+            self.fp8_format()  # raises ValueError for an unknown tag
         if self.num_experts and not (
             0 < self.top_k <= self.num_experts and self.moe_intermediate_size > 0
         ):
@@ -133,7 +155,14 @@ class KernelShapes:
             )
 
     @classmethod
-    def from_hf_config(cls, hf_config, block_size: int, dtype: str) -> KernelShapes:
+    def from_hf_config(
+        cls,
+        hf_config,
+        block_size: int,
+        dtype: str,
+        kv_cache_dtype: str = "auto",
+        weight_quant: str = "",
+    ) -> KernelShapes:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         # Qwen3-MoE: num_experts / moe_intermediate_size; Mixtral: num_local_experts and
@@ -160,6 +189,22 @@ class KernelShapes:
             dtype=dtype,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
             **moe,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_quant=weight_quant,
+        )
+
+    def fp8_format(self) -> Fp8Format | None:
+        """The FP8 weight format weight_quant names (None when unquantized)."""
+        if not self.weight_quant:
+            return None
+        tag = self.weight_quant
+        if tag in ("fp8_channel", "fp8_tensor"):
+            return Fp8Format(tag.removeprefix("fp8_"))
+        n, sep, k = tag.removeprefix("fp8_block_").partition("x")
+        if tag.startswith("fp8_block_") and sep and n.isdigit() and k.isdigit():
+            return Fp8Format("block", int(n), int(k))
+        raise ValueError(
+            f"weight_quant {tag!r}: expected '', 'fp8_channel', 'fp8_tensor' or 'fp8_block_<n>x<k>'"
         )
 
     @property
@@ -208,3 +253,12 @@ def _split_pairs(spec: str):
         if not eq or not key.strip() or not name.strip():
             raise ValueError(f"kernel choice {part!r} is not of the form op[.class]=candidate")
         yield key.strip(), name.strip()
+
+
+def weight_quant_tag(fmt: Fp8Format | None) -> str:
+    """KernelShapes.weight_quant for layers of this FP8 format ("" for None)."""
+    if fmt is None:
+        return ""
+    if fmt.granularity == "block":
+        return f"fp8_block_{fmt.block_n}x{fmt.block_k}"
+    return f"fp8_{fmt.granularity}"

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.kernels.interface import AttentionMetadata
+from services.kernels.fp8 import fp8_format_of, fp8_linear_reference
+from services.kernels.interface import (
+    FP8_E4M3_MAX,
+    AttentionMetadata,
+    kv_cache_is_fp8,
+)
 
 _SPLIT_MAX_ROWS = 64
 
@@ -30,6 +35,10 @@ class TorchBackend:
     name = "torch"
 
     def linear(self, x, layer):
+        if fp8_format_of(layer) is not None:
+            # the reference: weights dequantized, activations quantized as the FP8
+            # kernels do, fp32 matmul (a full fp32 weight per call: correct, not fast)
+            return fp8_linear_reference(x, layer)
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _SPLIT_MAX_ROWS:
             # A few rows on the CPU is a matrix-vector product, which oneDNN/MKL run on
             # one thread at ~13 GB/s here. Cutting the weight into one column slab per
@@ -79,12 +88,13 @@ class TorchBackend:
             out.index_add_(0, token, F.linear(h, w2[e]) * weights[token, slot, None])
         return out
 
-    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         block_size = k_cache.shape[1]
         blocks = slot_mapping // block_size
         offsets = slot_mapping % block_size
-        k_cache[blocks, offsets] = k.to(k_cache.dtype)
-        v_cache[blocks, offsets] = v.to(v_cache.dtype)
+        k_cache[blocks, offsets] = quantize_kv(k, k_cache.dtype, k_scale if fp8 else None)
+        v_cache[blocks, offsets] = quantize_kv(v, v_cache.dtype, v_scale if fp8 else None)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         # Pad the ragged batch to [num_seqs, max_len]: the gather indices and the mask
@@ -110,12 +120,18 @@ class TorchBackend:
         mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no NaN
         metadata.backend_data["torch"] = (blocks, offsets, q_valid, q_rows, mask.unsqueeze(1))
 
-    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+    def paged_attention(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
+    ):
+        fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         if "torch" not in metadata.backend_data:
             self.prepare_attention(metadata)
         blocks, offsets, q_valid, q_rows, mask = metadata.backend_data["torch"]
         keys = k_cache[blocks, offsets].transpose(1, 2)  # [B, Hk, max_k, D]
         values = v_cache[blocks, offsets].transpose(1, 2)
+        if fp8:  # computed in q's dtype
+            keys = dequantize_kv(keys, k_scale, q.dtype)
+            values = dequantize_kv(values, v_scale, q.dtype)
         num_seqs, max_q = q_valid.shape
         if max_q == 1:  # decode-only step: one query row per sequence, no padding
             padded_q = q.unsqueeze(1)
@@ -133,6 +149,26 @@ class TorchBackend:
         if max_q == 1:
             return out.squeeze(1).to(q.dtype)
         return out[q_valid].to(q.dtype)
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """x as a cache of cache_dtype stores it: for FP8, x / scale in fp32, saturated to the
+    format's range (a plain cast would turn anything beyond +-448 into NaN), rounded to
+    nearest even by the cast."""
+    if not (cache_dtype.itemsize == 1 and cache_dtype.is_floating_point):
+        return x.to(cache_dtype)
+    x = x.float()
+    if scale is not None:
+        x = x / scale
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 cache values -> dtype: stored * scale, in fp32 first."""
+    x = x.float()
+    if scale is not None:
+        x = x * scale
+    return x.to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

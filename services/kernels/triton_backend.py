@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from services.kernels import triton as tk
+from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import AttentionMetadata
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
 
@@ -22,6 +23,8 @@ class TritonBackend:
         self.attn_num_splits = attn_num_splits
 
     def linear(self, x, layer):
+        if fp8_format_of(layer) is not None:  # FP8 weights: our block/channel-scaled GEMM
+            return tk.fp8_linear(x, layer)
         # cuBLAS beats Triton GEMMs on the H200 (docs/performance.md), but its GEMV for a few
         # rows streams the weight well below peak bandwidth: decode-sized batches take
         # our own GEMV, larger ones stay on cuBLAS.
@@ -45,11 +48,12 @@ class TritonBackend:
     def silu_and_mul(self, x):
         return tk.silu_and_mul(x)
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
-        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
+        # config: launch settings the tuner measured fastest here (default_config's if None)
+        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config)
 
-    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
-        tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         # The kernel reads the metadata as is; only make sure the index tensors are
@@ -69,7 +73,9 @@ class TritonBackend:
             i32(metadata.cu_seqlens_q),
         )
 
-    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+    def paged_attention(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
+    ):
         if "triton" not in metadata.backend_data:
             self.prepare_attention(metadata)
         block_tables, seq_lens, cu_seqlens_q = metadata.backend_data["triton"]
@@ -84,4 +90,6 @@ class TritonBackend:
             metadata.max_seq_len,
             scale,
             num_splits=self.attn_num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import AttentionMetadata
 from services.kernels.shape_classes import (
     KernelShapes,
@@ -29,6 +30,7 @@ class TunedBackend:
         backends: dict[str, object],
         choices: dict[str, str],
         shapes: KernelShapes | None = None,
+        configs: dict[str, dict] | None = None,
     ):
         missing = all_keys(shapes) - set(choices)
         if missing:
@@ -37,13 +39,23 @@ class TunedBackend:
         if unknown:
             raise ValueError(f"chosen kernel backends not loaded: {sorted(unknown)}")
         self.choices = dict(choices)
+        self._fp8 = any(key.startswith("fp8_linear.") for key in choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
+        # launch settings the tuner picked with a choice ("op.class" -> config)
+        self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
 
     def _by_tokens(self, op: str, num_tokens: int):
         return self._pick[f"{op}.{token_class(num_tokens)}"]
 
     def linear(self, x, layer):
-        return self._by_tokens("linear", x.shape[0]).linear(x, layer)
+        # FP8 weights have their own op: their candidates and winners differ
+        op = "fp8_linear" if fp8_format_of(layer) is not None else "linear"
+        if op == "fp8_linear" and not self._fp8:
+            raise ValueError(
+                "an FP8 linear layer reached a tuned backend built for unquantized weights "
+                "(KernelShapes.weight_quant is empty)"
+            )
+        return self._by_tokens(op, x.shape[0]).linear(x, layer)
 
     def rms_norm(self, x, weight, eps):
         return self._by_tokens("rms_norm", x.shape[0]).rms_norm(x, weight, eps)
@@ -59,27 +71,33 @@ class TunedBackend:
     def silu_and_mul(self, x):
         return self._by_tokens("silu_and_mul", x.shape[0]).silu_and_mul(x)
 
-    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         backend = self._by_tokens("store_kv_cache", k.shape[0])
-        backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
         # built from a MoE model's shapes, the backend has a choice for every class
-        backend = self._by_tokens("fused_moe", x.shape[0])
-        return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+        key = f"fused_moe.{token_class(x.shape[0])}"
+        backend, config = self._pick[key], self.configs.get(key)
+        if config is None:
+            return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+        return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)
 
-    def paged_attention(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale):
+    def paged_attention(
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
+    ):
         backend = self._pick[f"paged_attention.{attention_class(metadata)}"]
-        return backend.paged_attention(q, k_cache, v_cache, metadata, scale)
+        return backend.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
 
 def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwargs):
     """A TunedBackend for these shapes on this device; `choices` override the tuner's.
     When the overrides cover every op and class nothing is measured."""
     overrides = parse_choices(choices)
+    configs: dict[str, dict] = {}
     if set(overrides) >= all_keys(shapes):
         picked = overrides
         backends = load_candidates(tuple(set(picked.values())))
@@ -93,7 +111,9 @@ def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwarg
             result.table(),
         )
         picked = {**result.choices, **overrides}
+        # a tuned config belongs to the candidate it was measured with
+        configs = {k: c for k, c in result.configs.items() if picked[k] == result.choices[k]}
     missing = {name for name in picked.values() if name not in backends}
     if missing:
         raise ValueError(f"kernel candidates {sorted(missing)} are not available here")
-    return TunedBackend(backends, picked, shapes)
+    return TunedBackend(backends, picked, shapes, configs)

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
-from services.kernels.interface import AttentionMetadata
+from services.kernels.interface import FP8_KV_DTYPE, AttentionMetadata
 from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
     DECODE_CLASSES,
     GRAPH_CLASSES,
     OP_CLASSES,
+    TUNED_CONFIG_CANDIDATES,
     KernelShapes,
     all_keys,
     candidates_for,
@@ -47,7 +48,7 @@ from services.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 5  # 5: fused_moe for MoE models; 4: decode1 class, own GEMV in linear
+TUNER_VERSION = 6  # 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -85,6 +86,8 @@ class TuningResult:
     choices: dict[str, str]  # "op.class" -> candidate
     times_us: dict[str, dict[str, float]]  # "op.class" -> candidate -> microseconds
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)  # why not
+    # "op.class" -> launch settings of the choice, for TUNED_CONFIG_CANDIDATES
+    configs: dict[str, dict] = field(default_factory=dict)
     device_name: str = ""
     measured_at: str = ""
     from_cache: bool = False
@@ -111,10 +114,22 @@ class TuningResult:
             times = self.times_us.get(key, {})
             chosen, ref = times.get(self.choices[key]), times.get("torch")
             speedup = f"{ref / chosen:.1f}x" if chosen and ref else "-"
-            lines.append(
-                f"| {op} | {cls} | " + " | ".join(cells) + f" | {self.choices[key]} | {speedup} |"
-            )
+            choice = self.choices[key]
+            if key in self.configs:
+                choice += " " + config_label(self.configs[key])
+            lines.append(f"| {op} | {cls} | " + " | ".join(cells) + f" | {choice} | {speedup} |")
         return "\n".join(lines)
+
+
+def config_label(cfg: dict) -> str:
+    """Launch settings in a table cell: M x N x K tiles, group, warps, stages (GEMV
+    path: N x K blocks, warps)."""
+    if cfg.get("kernel") == "gemv":
+        return f"gemv {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
+    return (
+        f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
+        f"g{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    )
 
 
 def _rejected_names(result: TuningResult) -> set[str]:
@@ -122,7 +137,7 @@ def _rejected_names(result: TuningResult) -> set[str]:
 
 
 # ---- candidates -----------------------------------------------------------------------
-def load_candidates(names=("torch", "triton", "aiter", "sdpa")) -> dict[str, object]:
+def load_candidates(names=("torch", "triton", "aiter", "sdpa", "scaled_mm")) -> dict[str, object]:
     """Every candidate backend that constructs here (others are skipped, logged)."""
     out: dict[str, object] = {}
     for name in names:
@@ -131,6 +146,11 @@ def load_candidates(names=("torch", "triton", "aiter", "sdpa")) -> dict[str, obj
                 out[name] = TorchBackend()
             elif name == "sdpa":
                 out[name] = SdpaBackend()
+            elif name == "scaled_mm":
+                # lazy: an FP8-only candidate that refuses to build off NVIDIA sm_89+
+                from services.kernels.scaled_mm_backend import ScaledMMBackend
+
+                out[name] = ScaledMMBackend()
             elif name == "triton":
                 # lazy: triton is an optional, heavy import (absent on CPU-only installs)
                 from services.kernels.triton_backend import TritonBackend
@@ -225,32 +245,73 @@ def _measure(shapes, sizes, device, candidates) -> TuningResult:
             key = f"{op}.{cls}"
             graph = device.type == "cuda" and cls in GRAPH_CLASSES
             ref_out = _run_case(op, cls, shapes, sizes, device, torch.float32, reference)[1]
-            times, rejected = {}, {}
+            times, rejected, best_config = {}, {}, {}
             for cand in candidates_for(op, cls):
                 backend = candidates.get(cand)
                 if backend is None:
                     continue
-                try:
-                    call, out = _run_case(
-                        op, cls, shapes, sizes, device, shapes.torch_dtype, backend
-                    )
-                    err = _rel_err(out, ref_out)
-                    if not err <= tol:
-                        rejected[cand] = f"relative error {err:.3g} > {tol:g}"
+                configs = [None]
+                if (op, cand) in TUNED_CONFIG_CANDIDATES:
+                    configs = _launch_configs(op, cls, shapes, sizes, device, best_config)
+                for cfg in configs:
+                    try:
+                        call, out = _run_case(
+                            op, cls, shapes, sizes, device, shapes.torch_dtype, backend, cfg
+                        )
+                        err = _rel_err(out, ref_out)
+                        if not err <= tol:
+                            rejected[cand] = f"relative error {err:.3g} > {tol:g}"
+                            continue
+                        t = _time_graph_us(call) if graph else _time_us(call, device)
+                    except Exception as exc:  # a kernel that cannot run these shapes here
+                        rejected[cand] = f"{type(exc).__name__}: {exc}"[:200]
                         continue
-                    times[cand] = _time_graph_us(call) if graph else _time_us(call, device)
-                except Exception as exc:  # a kernel that cannot run these shapes here
-                    rejected[cand] = f"{type(exc).__name__}: {exc}"[:200]
+                    if t < times.get(cand, float("inf")):
+                        times[cand] = t
+                        if cfg is not None:
+                            best_config[cand] = cfg
+                if cand in times:  # a config that failed does not reject one that ran
+                    rejected.pop(cand, None)
             result.times_us[key] = times
             if rejected:
                 result.rejected[key] = rejected
             if times:
                 result.choices[key] = min(times, key=times.get)
+                if result.choices[key] in best_config:
+                    result.configs[key] = best_config[result.choices[key]]
             else:  # nothing measurable here: the reference, or triton where it cannot run
                 names = candidates_for(op, cls)
                 result.choices[key] = "torch" if "torch" in names else "triton"
             log.info("kernel tuner %s: %s %s", key, result.choices[key], times)
     return result
+
+
+def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[dict]:
+    """The launch settings timed for a TUNED_CONFIG_CANDIDATES kernel. pdserve's own
+    kernel: the neighbourhood of its default (candidate_configs) on a GPU. Other
+    kernels of the op (aiter's): the default and the best config found so far, not a
+    sweep of their own (each config is a compilation at start). Off a GPU the default
+    alone: the CPU runs Triton's interpreter, where timing says nothing about tiles."""
+    # lazy: triton is an optional, heavy import
+    from services.kernels.triton.moe import candidate_configs, default_config
+
+    args = (
+        sizes.tokens(cls),
+        shapes.num_experts,
+        shapes.hidden_size,
+        shapes.moe_intermediate_size,
+        shapes.top_k,
+        shapes.torch_dtype,
+    )
+    default = default_config(*args)
+    if device.type != "cuda":
+        return [default]
+    if not best_so_far:
+        return candidate_configs(*args)
+    best = next(iter(best_so_far.values()))
+    if best == default or best.get("kernel") == "gemv":  # the GEMV path is pdserve's own
+        return [default]
+    return [default, best]
 
 
 def _rel_err(out, ref) -> float:
@@ -321,9 +382,12 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 
 # ---- representative inputs -------------------------------------------------------------
-def _run_case(op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, backend):
+def _run_case(
+    op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, backend, config=None
+):
     """Build the op's inputs (same seed for every candidate and dtype), run it once;
-    returns (a no-argument callable that runs it again, the first output)."""
+    returns (a no-argument callable that runs it again, the first output). config:
+    launch settings for a TUNED_CONFIG_CANDIDATES kernel."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{op}.{cls}".encode()))
 
     def rand(*shape, scale=1.0):
@@ -338,6 +402,15 @@ def _run_case(op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, 
             layer = torch.nn.Linear(fan_in, fan_out, bias=False, device="meta")
             layer.weight = torch.nn.Parameter(rand(fan_out, fan_in, scale=fan_in**-0.5), False)
             layers.append((rand(n, fan_in), layer))
+
+        def call():
+            return [backend.linear(x, layer) for x, layer in layers]
+    elif op == "fp8_linear":
+        fmt = shapes.fp8_format()
+        layers = [
+            (rand(n, k), _random_fp8_layer(k, out, fmt, gen, device))
+            for k, out in shapes.linear_shapes()
+        ]
 
         def call():
             return [backend.linear(x, layer) for x, layer in layers]
@@ -374,30 +447,67 @@ def _run_case(op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, 
         ranks = torch.argsort(torch.rand(n, e, generator=gen), dim=-1).float()
         logits = (ranks * 0.25).to(device=device, dtype=dtype)
 
+        kwargs = {} if config is None else {"config": config}
+
         def call():
-            return backend.fused_moe(x, logits, w13, w2, k, True)
+            return backend.fused_moe(x, logits, w13, w2, k, True, **kwargs)
     elif op == "store_kv_cache":
         bs = shapes.block_size
         num_blocks = -(-n // bs) * 2 + 1
         k, v = rand(n, hk, d), rand(n, hk, d)
-        cache = torch.zeros(num_blocks, 2, bs, hk, d, device=device, dtype=dtype)
+        kv_dtype, kv_scales = _kv_cache_case(shapes, dtype)
+        if kv_scales:  # FP8: the reference quantizes the very values the candidate sees
+            k, v = (t.to(shapes.torch_dtype).to(dtype) for t in (k, v))
+        cache = torch.zeros(num_blocks, 2, bs, hk, d, device=device, dtype=kv_dtype)
         slots = torch.randperm(num_blocks * bs, generator=gen)[:n].to(device)
 
         def call():
-            backend.store_kv_cache(k, v, cache[:, 0], cache[:, 1], slots)
+            backend.store_kv_cache(k, v, cache[:, 0], cache[:, 1], slots, *kv_scales)
             return cache
     else:
         q, k_cache, v_cache, meta = _attention_batch(cls, shapes, sizes, device, dtype, gen)
         backend.prepare_attention(meta)
         scale = d**-0.5
+        kv_scales = _kv_cache_case(shapes, dtype)[1]
 
         def call():
-            return backend.paged_attention(q, k_cache, v_cache, meta, scale)
+            return backend.paged_attention(q, k_cache, v_cache, meta, scale, *kv_scales)
 
     out = call()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return call, out
+
+
+def _kv_cache_case(shapes: KernelShapes, dtype) -> tuple[torch.dtype, tuple[float, ...]]:
+    """The KV cache dtype and (k_scale, v_scale) the KV ops are measured with: an FP8
+    cache gets scales other than 1.0 (powers of two: exact in every dtype), so a
+    candidate that ignores them strays from the reference and is rejected."""
+    if shapes.kv_cache_dtype == "fp8_e4m3":
+        return FP8_KV_DTYPE, (0.5, 2.0)
+    return dtype, ()
+
+
+class _Fp8Layer(torch.nn.Module):
+    """What FP8 kernels read of a quantized linear (services/models/fp8_linear.py's
+    Fp8Linear; the kernels package does not import models): weight, weight_scale,
+    bias and the fp8_format attribute."""
+
+    def __init__(self, weight, weight_scale, fmt):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
+        self.register_parameter("bias", None)
+        self.fp8_format = fmt
+
+
+def _random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
+    """Weights uniform in +-k**-0.5 once dequantized, as dummy FP8 weights are."""
+    from services.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+    weight = (torch.rand(n, k, generator=gen) * 2 - 1) * FP8_MAX
+    scale = torch.full(fmt.scale_shape(n, k), k**-0.5 / FP8_MAX)
+    return _Fp8Layer(weight.to(FP8_DTYPE).to(device), scale.to(device), fmt)
 
 
 def _attention_batch(cls, shapes, sizes, device, dtype, gen):
@@ -422,7 +532,8 @@ def _attention_batch(cls, shapes, sizes, device, dtype, gen):
     width = max(per_seq)
     hk, d = shapes.num_kv_heads, shapes.head_dim
     # the engine's block-major cache: per-layer K/V are strided views
-    kv = (torch.randn(num_blocks, 2, 2, bs, hk, d, generator=gen)).to(device=device, dtype=dtype)
+    kv_dtype = _kv_cache_case(shapes, dtype)[0]  # FP8: the same bytes for every candidate
+    kv = (torch.randn(num_blocks, 2, 2, bs, hk, d, generator=gen)).to(device=device, dtype=kv_dtype)
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
@@ -460,6 +571,7 @@ def _write_cache(path: Path, key: str, result: TuningResult) -> None:
         "choices": result.choices,
         "times_us": result.times_us,
         "rejected": result.rejected,
+        "configs": result.configs,
         "device_name": result.device_name,
         "measured_at": result.measured_at,
     }

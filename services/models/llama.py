@@ -56,6 +56,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # FP8 KV cache scales (stored = value / scale): the checkpoint's k_scale /
+        # v_scale, set by the loader; the runner makes them 1.0 where absent, or None
+        # when the cache holds the model's dtype
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(self, positions, hidden, cos_sin, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
@@ -66,8 +71,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
-        self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
+        self.ops.store_kv_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
+        out = self.ops.paged_attention(q, kc, vc, meta, self.scale, ks, vs)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

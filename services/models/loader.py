@@ -16,8 +16,13 @@ import torch
 from safetensors import safe_open
 
 from services.kernels import KernelBackend
+from services.kernels.fp8 import FP8_DTYPE, fp8_format_of
 from services.models import default_model
-from services.models.quantization import SCALE_SUFFIX, quantization_of
+from services.models.fp8_linear import Fp8Linear
+from services.models.kv_scales import kv_scale_name, load_kv_scale
+from services.models.llama import Linear
+from services.models.moe import FusedMoE
+from services.models.quantization import QuantConfig, quantization_of
 from services.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -45,10 +50,10 @@ def load_hf_config(model_path: Path):
     return AutoConfig.from_pretrained(model_path)
 
 
-def check_supported(hf_config, max_model_len: int) -> None:
+def check_supported(hf_config, max_model_len: int, quantization: str | None = None) -> None:
     """Refuse, naming the config.json key, what this engine would otherwise compute
     differently from the checkpoint's own model."""
-    quantization_of(hf_config)  # raises for an unsupported method
+    quantization_of(hf_config, quantization)  # raises for an unsupported method
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
         # attention covers the whole context here, which equals windowed attention only
@@ -70,37 +75,98 @@ def load_model(
     max_position: int,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ):
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    quant = quantization_of(hf_config, quantization)
     cls = model_class(hf_config)
     # Build on the meta device: skips the random init of every Linear (seconds on CPU).
     with torch.device("meta"):
         model = cls(hf_config, ops)
     model.to(dtype)  # free on meta; allocating in the final dtype halves peak memory
+    if quant is not None:  # after .to(dtype), which would cast FP8 weights and scales
+        _use_fp8_linears(model, quant)
     model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        _load_safetensors(model, model_path, quantization_of(hf_config))
+        _load_safetensors(model, model_path, quant)
     # RoPE tables stay fp32: bf16 angles lose the position precision long contexts need.
     model.init_rope_cache(max_position, device)
     return model.eval()
+
+
+def _checkpoint_names(model, ours: str) -> list[str]:
+    """The checkpoint's module names for our module `ours` (a fused one has several)."""
+    for old, new in model.checkpoint_renames.items():
+        ours = ours.replace(new, old)
+    prefix, _, leaf = ours.rpartition(".")
+    shards = [ckpt for ckpt, (fused, _) in model.packed_modules.items() if fused == leaf]
+    return [f"{prefix}.{s}" for s in shards] if shards else [ours]
+
+
+def _use_fp8_linears(model, quant: QuantConfig) -> None:
+    """Swap the Linears the quantization covers for Fp8Linears (on the meta device)."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not Linear or name == "lm_head" or id(module) in routers:
+            continue
+        names = _checkpoint_names(model, name)
+        if not quant.quantizes(names, name):
+            continue
+        fmt = quant.layer_format(fused=len(names) > 1)
+        leaf = name.rpartition(".")[2]
+        if fmt.granularity == "block" and len(names) > 1:
+            for ckpt in names:
+                start, _ = model.shard_slice(leaf, model.packed_modules[ckpt.rpartition(".")[2]][1])
+                if start % fmt.block_n:
+                    # a shard starting inside a scale block would share it with another
+                    raise ValueError(
+                        f"quantization_config.weight_block_size [{fmt.block_n}, {fmt.block_k}]: "
+                        f"{ckpt} starts at row {start} of the fused {name}, not on a block "
+                        "boundary"
+                    )
+        parent = model.get_submodule(name.rpartition(".")[0])
+        setattr(parent, leaf, Fp8Linear.replacing(module, fmt))
+        swapped += 1
+    if swapped == 0:
+        raise ValueError(
+            f"quantization_config ({quant.method}) quantizes no layer of this model: check "
+            "its targets / ignore"
+        )
+    log.info(
+        "%s: %d linear layers kept in FP8 (%s scales)", quant.method, swapped, quant.granularity
+    )
+    experts = sum(isinstance(m, FusedMoE) for m in model.modules())
+    if experts:  # visible: the experts are most of an MoE model's memory
+        log.warning(
+            "%d MoE layers keep their experts in the engine dtype: there is no FP8 "
+            "fused-MoE kernel yet",
+            experts,
+        )
 
 
 def _init_dummy(model, seed: int) -> None:
     # Drawn on the model's device in its dtype: an 8B model must not pass through the CPU.
     device = next(model.parameters()).device
     gen = torch.Generator(device).manual_seed(seed)
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    done = {id(p) for m in fp8 for p in m.parameters()}
+    for m in fp8:
+        m.fill_random(gen, 0.05)
     for name, param in model.named_parameters():
+        if id(param) in done:
+            continue
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
             param.data.uniform_(-0.05, 0.05, generator=gen)
 
 
-def _load_safetensors(model, model_path: Path, quant=None) -> None:
+def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None) -> None:
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_path}")
@@ -110,35 +176,29 @@ def _load_safetensors(model, model_path: Path, quant=None) -> None:
     for name, param in params.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)  # checkpoints may omit unit norms; never leave garbage
-    # quantized weights wait for their scales (they may sit in another file)
-    fp8_weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
-
-    def load(name, tensor):
-        target = _load_tensor(model, params, name, tensor)
-        if target:
-            loaded[target[0]].add(target[1])
-
+    # FP8 expert weights wait for their scales (they may sit in another file), then are
+    # dequantized into the stacked experts
+    experts: dict[str, dict[str, torch.Tensor]] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if quant is not None and name.endswith(SCALE_SUFFIX):
-                    scales[name.removesuffix(SCALE_SUFFIX)] = tensor
-                elif quant is not None and tensor.dtype == torch.float8_e4m3fn:
-                    fp8_weights[name.removesuffix(".weight")] = tensor
-                else:
-                    load(name, tensor)
-    if quant is not None:
-        if set(fp8_weights) != set(scales):
-            odd = sorted(set(fp8_weights) ^ set(scales))[:5]
-            raise ValueError(f"checkpoint {model_path}: FP8 weights and scales do not pair: {odd}")
-        for base, weight in fp8_weights.items():
-            load(f"{base}.weight", quant.dequantize(weight, scales[base], base))
+                for target in _load_tensor(model, params, name, tensor, quant, experts):
+                    loaded[target[0]].add(target[1])
+    if experts:
+        for base, pair in experts.items():
+            if set(pair) != {"weight", "scale"}:
+                raise ValueError(
+                    f"checkpoint {model_path}: FP8 weights and scales do not pair: {base} "
+                    f"has only its {next(iter(pair))}"
+                )
+            deq = quant.dequantize(pair["weight"], pair["scale"], base)
+            for target in _load_tensor(model, params, f"{base}.weight", deq, None, None):
+                loaded[target[0]].add(target[1])
         log.warning(
-            "%d FP8 block-wise weights dequantized at load: no FP8 GEMM kernels yet, they take "
-            "the engine dtype's memory",
-            len(fp8_weights),
+            "%d FP8 MoE expert weights dequantized at load to the engine dtype (no FP8 "
+            "fused-MoE kernel yet): they take that dtype's memory",
+            len(experts),
         )
     missing = [
         name
@@ -148,7 +208,8 @@ def _load_safetensors(model, model_path: Path, quant=None) -> None:
     if model.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
-        raise ValueError(f"checkpoint {model_path} lacks weights for {missing[:5]}")
+        what = "weights or FP8 scales" if quant is not None else "weights"
+        raise ValueError(f"checkpoint {model_path} lacks {what} for {missing[:5]}")
 
 
 def _expected_pieces(model, params) -> dict[str, set]:
@@ -172,35 +233,74 @@ def _expected_pieces(model, params) -> dict[str, set]:
 _EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> tuple[str, object] | None:
-    """Copies one checkpoint tensor into its place; returns (parameter, piece)."""
+def _load_tensor(
+    model, params, name: str, tensor: torch.Tensor, quant: QuantConfig | None, experts
+) -> list[tuple[str, object]]:
+    """Copies one checkpoint tensor into its place; returns the (parameter, piece)s it
+    filled. `experts` collects FP8 expert tensors to dequantize once paired."""
     if "rotary_emb.inv_freq" in name:
-        return None
+        return []
+    if kv_scale_name(name) is not None:  # FP8 KV-cache scales: attention attributes
+        load_kv_scale(model, name, tensor)
+        return []
     if name == "lm_head.weight" and model.tie_word_embeddings:
-        return None
+        return []
+    original = name
+    scale = bool(quant and quant.scale_suffix and name.endswith(quant.scale_suffix))
+    if scale:  # routed like its weight
+        name = name.removesuffix(quant.scale_suffix) + ".weight"
+    elif tensor.dtype == FP8_DTYPE and quant is None:
+        raise ValueError(
+            f"{name} is float8_e4m3fn but config.json has no quantization_config: the "
+            "scales are unknown"
+        )
     for old, new in model.checkpoint_renames.items():
         name = name.replace(old, new)
     expert = _EXPERT.fullmatch(name)
     if expert and expert.group(3) in model.expert_modules:
+        if scale or tensor.dtype == FP8_DTYPE:
+            base = original.removesuffix(quant.scale_suffix if scale else ".weight")
+            experts.setdefault(base, {})["scale" if scale else "weight"] = tensor
+            return []
         prefix, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
         param, shard = model.expert_modules[proj]
         module = _submodule(model, prefix)
         if module is None or not hasattr(module, "load_expert") or index >= module.num_experts:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         module.load_expert(param, index, shard, tensor)
-        return f"{prefix}.{param}", (index, shard)
-    for ckpt_name, (fused, shard) in model.packed_modules.items():
+        return [(f"{prefix}.{param}", (index, shard))]
+    target, shard, rows = name, None, None
+    for ckpt_name, (fused, shard_id) in model.packed_modules.items():
         if f".{ckpt_name}." in name:
-            target = name.replace(ckpt_name, fused)
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            start, size = model.shard_slice(fused, shard)
-            _copy(params[target].data[start : start + size], tensor, name)
-            return target, shard
-    if name not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    _copy(params[name].data, tensor, name)
-    return name, None
+            target, shard = name.replace(ckpt_name, fused), shard_id
+            rows = model.shard_slice(fused, shard_id)
+            break
+    if target not in params:
+        raise ValueError(f"unexpected weight {original!r} in checkpoint")
+    layer_name, _, leaf = target.rpartition(".")
+    layer = _submodule(model, layer_name)
+    if layer is not None and fp8_format_of(layer) is not None and leaf == "weight":
+        start, size = rows if rows is not None else (0, layer.out_features)
+        if scale:
+            layer.load_scale(tensor, start, size, original, quant.granularity == "tensor")
+            return [(f"{layer_name}.weight_scale", shard)]
+        if quant.online and tensor.dtype != FP8_DTYPE:
+            layer.quantize_rows(tensor, start, size, original)
+            return [(target, shard), (f"{layer_name}.weight_scale", shard)]
+        layer.load_weight(tensor, start, size, original)
+        return [(target, shard)]
+    if scale or tensor.dtype == FP8_DTYPE:
+        raise ValueError(
+            f"{original} is an FP8 {'scale' if scale else 'weight'}, but the quantization "
+            "config leaves its layer unquantized (ignore / modules_to_not_convert, or a layer "
+            "that stays in full precision: embeddings, LM head, MoE router)"
+        )
+    if rows is not None:
+        start, size = rows
+        _copy(params[target].data[start : start + size], tensor, original)
+    else:
+        _copy(params[target].data, tensor, original)
+    return [(target, shard)]
 
 
 def _submodule(model, path: str):

@@ -362,6 +362,20 @@ def test_kernel_flags_per_pool():
     assert (d_cli.device, d_cli.kernel_backend, d_cli.kernel_choices) == ("cpu", "tuned", choices)
 
 
+def test_kv_cache_dtype_reaches_both_pools():
+    """engine.kvCacheDtype becomes --kv-cache-dtype (default auto); both pools are set
+    alike, since the handshake refuses a prefill / decode pair whose KV dtypes differ."""
+    for role in ("prefill", "decode"):
+        assert _worker_cli(find(helm.render(), "Deployment", name(role))).kv_cache_dtype == "auto"
+    fp8 = {"engine": {"kvCacheDtype": "fp8"}}
+    docs = helm.render({"prefill": fp8, "decode": fp8})
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        args = container(dep)["args"]
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+        assert _worker_cli(dep).kv_cache_dtype == "fp8"
+
+
 def test_api_key_value_admin_secret_and_amd_gpus():
     docs = helm.render(
         {
@@ -471,6 +485,7 @@ BAD = [
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"prefill": {"engine": {"kernelBackend": "cudnn"}}}, "/prefill/engine/kernelBackend"),
     ({"decode": {"engine": {"enforceEager": "yes"}}}, "/decode/engine/enforceEager"),
+    ({"prefill": {"engine": {"kvCacheDtype": "fp8_e5m2"}}}, "/prefill/engine/kvCacheDtype"),
     (
         {"decode": {"engine": {"kernelBackend": "tuned", "kernelChoices": "rms_norm=triton;id"}}},
         "/decode/engine/kernelChoices",

@@ -1,5 +1,6 @@
 """Config keys the engine cannot honour are refused at start, by name, instead of
-being computed differently: a quantization_config (FP8, AWQ, ...) and a sliding window
+being computed differently: a quantization_config that is not a supported FP8 format
+(AWQ, GPTQ, per-tensor fp8, ...) and a sliding window
 shorter than the sequences it would have to cover."""
 
 from __future__ import annotations
@@ -24,13 +25,24 @@ def model_dir(tmp_path_factory):
     return save_random_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
-@pytest.mark.parametrize("method", ["fp8", "awq", "compressed-tensors"])
-def test_a_quantized_checkpoint_is_refused_naming_its_method(model_dir, method, tmp_path):
+@pytest.mark.parametrize(
+    "method, message",
+    [
+        ("fp8", "quant_method 'fp8' without weight_block_size.*supported: unquantized"),
+        ("awq", "quant_method 'awq'.*supported: unquantized.*fp8.*compressed-tensors"),
+        ("gptq", "quant_method 'gptq'.*supported: unquantized"),
+        # a supported method with keys it does not hold: the first missing key is named
+        ("compressed-tensors", "quantization_config.format = None"),
+    ],
+)
+def test_an_unsupported_quantized_checkpoint_is_refused_naming_it(
+    model_dir, method, message, tmp_path
+):
     import shutil
 
     copy = shutil.copytree(model_dir, tmp_path / "q")
     model = _with_config(copy, quantization_config={"quant_method": method, "bits": 8})
-    with pytest.raises(ValueError, match=f"quant_method '{method}'.*supported: unquantized"):
+    with pytest.raises(ValueError, match=message):
         LLM(model, num_kv_blocks=8)
 
 

@@ -26,6 +26,7 @@ from tests.kernels.helpers import DTYPES, assert_close_rel  # noqa: E402
 REF = TorchBackend()
 H, I = 32, 16  # noqa: E741
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
+GEMV = {"kernel": "gemv", "BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 4}
 
 
 def _randn(*shape, dtype, device, seed, scale=1.0):
@@ -234,6 +235,46 @@ def test_fused_moe_several_chunks(t, e, top_k, device, monkeypatch):
     assert_close_rel(out, _reference(x, logits, w13, w2, top_k, True), torch.float32)
 
 
+@pytest.mark.parametrize("t,e,top_k", [(1, 128, 8), (64, 128, 8), (4096, 8, 2), (16, 8, 2)])
+def test_candidate_configs(t, e, top_k):
+    from services.kernels.triton.moe import _smem_bytes, candidate_configs
+
+    configs = candidate_configs(t, e, 2048, 768, top_k, torch.bfloat16)
+    assert configs[0] == default_config(t, e, 2048, 768, top_k, torch.bfloat16)
+    gemv = [c for c in configs if c.get("kernel") == "gemv"]
+    assert len(configs) - len(gemv) == 4
+    assert len(gemv) == (2 if t * top_k <= 64 else 0)
+    assert all(a != b for i, a in enumerate(configs) for b in configs[i + 1 :])
+    for cfg in configs:
+        assert _check_config(dict(cfg)) == cfg
+        if cfg not in gemv:
+            assert _smem_bytes(cfg, torch.bfloat16) <= 232448
+
+
+@pytest.mark.parametrize("t,e,top_k", [(1, 4, 1), (3, 8, 2), (17, 4, 4), (6, 8, 2)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_gemv_path_matches_reference(t, e, top_k, renormalize, device):
+    """The GEMV path (moe_gemv.py): ragged H and I (K and N tails), experts no token
+    picks, every expert picked (top_k == E)."""
+    x, logits, w13, w2 = _moe_inputs(t, e, 40, 24, device=device, seed=t + e)
+    out = fused_moe(x, logits, w13, w2, top_k, renormalize, config=GEMV)
+    assert out.shape == (t, 40) and out.dtype == x.dtype
+    assert_close_rel(out, _reference(x, logits, w13, w2, top_k, renormalize), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_path_dtypes_and_strides(dtype, device):
+    x, logits, w13, w2 = _moe_inputs(5, 8, dtype=dtype, device=device, seed=4)
+    x_strided = torch.stack([x, x], dim=-1)[..., 0]  # x, inner stride 2
+    w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)  # column-major experts
+    out = fused_moe(x_strided, logits.to(dtype), w13, w2_t, 2, True, config=GEMV)
+    assert_close_rel(out, _reference(x, logits.to(dtype), w13, w2, 2, True), dtype)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "BLOCK_K": 8})
+    with pytest.raises(ValueError, match="kernel"):
+        fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "kernel": "other"})
+
+
 def test_default_config():
     # decode-sized batches: 16-row tiles; big prefills: taller tiles
     assert default_config(1, 128, 2048, 768, 8, torch.bfloat16)["BLOCK_M"] == 16
@@ -256,13 +297,16 @@ def test_default_config():
     ids=["mixtral", "qwen3_moe", "qwen3_moe_no_renorm"],
 )
 @pytest.mark.parametrize("t", [1, 7, 64, 1000])
-def test_fused_moe_gpu_bf16(e, top_k, h, inter, renormalize, t):
+@pytest.mark.parametrize("impl", ["triton", "aiter", "gemv"])
+def test_fused_moe_gpu_bf16(e, top_k, h, inter, renormalize, t, impl):
     dtype = torch.bfloat16
+    backend = _gpu_backend(impl)
     x, logits, w13, w2 = _moe_inputs(t, e, h, inter, dtype=dtype, device="cuda", seed=t)
     logits = logits.to(dtype)
+    backend.fused_moe(x, logits, w13, w2, top_k, renormalize)  # compile (that may sync)
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
     try:
-        out = fused_moe(x, logits, w13, w2, top_k, renormalize)
+        out = backend.fused_moe(x, logits, w13, w2, top_k, renormalize)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_close_rel(out, _reference(x, logits, w13, w2, top_k, renormalize), dtype)
@@ -271,10 +315,11 @@ def test_fused_moe_gpu_bf16(e, top_k, h, inter, renormalize, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,top_k", [(8, 2), (128, 8)], ids=["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("t", [1, 16])
-def test_fused_moe_cuda_graph_replay(e, top_k, t):
+@pytest.mark.parametrize("impl", ["triton", "aiter", "gemv"])
+def test_fused_moe_cuda_graph_replay(e, top_k, t, impl):
     """Captured once, replayed with other inputs and routing: equal to eager."""
     dtype, h, inter = torch.bfloat16, 256, 128
-    backend = TritonBackend()
+    backend = _gpu_backend(impl)
     x, logits, w13, w2 = _moe_inputs(t, e, h, inter, dtype=dtype, device="cuda", seed=20)
     static_x, static_logits = x.clone(), logits.clone()
     stream = torch.cuda.Stream()
@@ -296,3 +341,42 @@ def test_fused_moe_cuda_graph_replay(e, top_k, t):
         eager = backend.fused_moe(new_x, new_logits, w13, w2, top_k, True)
         assert torch.equal(out, eager)
         assert_close_rel(out, _reference(new_x, new_logits, w13, w2, top_k, True), dtype)
+
+
+class _GemvPath(TritonBackend):
+    """pdserve's Triton backend with the GEMV config the tuner may pick."""
+
+    def fused_moe(self, *args, config=None):
+        return super().fused_moe(*args, config=config or dict(GEMV))
+
+
+def _gpu_backend(impl: str):
+    if impl == "triton":
+        return TritonBackend()
+    if impl == "gemv":
+        return _GemvPath()
+    from services.kernels import get_backend
+
+    try:
+        return get_backend("aiter")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "aiter"])
+@pytest.mark.parametrize("t", [1, 64, 2048])
+def test_every_tuner_config_is_correct(impl, t):
+    """The launch settings the tuner may pick on this GPU (Qwen3-30B-A3B experts) all
+    compute the same MoE."""
+    from services.kernels.triton.moe import candidate_configs
+
+    e, top_k, h, inter, dtype = 128, 8, 2048, 768, torch.bfloat16
+    backend = _gpu_backend(impl)
+    x, logits, w13, w2 = _moe_inputs(t, e, h, inter, dtype=dtype, device="cuda", seed=7)
+    want = _reference(x, logits, w13, w2, top_k, True)
+    configs = candidate_configs(t, e, h, inter, top_k, dtype)
+    assert len(configs) == 4
+    for cfg in configs:
+        out = backend.fused_moe(x, logits, w13, w2, top_k, True, config=cfg)
+        assert_close_rel(out, want, dtype)

@@ -22,9 +22,12 @@ from tests.kernels.helpers import make_attention_batch
 def test_all_keys_cover_every_op_and_class():
     dense = KernelShapes(64, 4, 2, 16, 96, 16, "float32")
     moe = KernelShapes(64, 4, 2, 16, 96, 16, "float32", 1e-5, 8, 2, 32)
+    moe_fp8 = KernelShapes(**{**moe.__dict__, "weight_quant": "fp8_block_128x128"})
     everything = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs}
-    assert all_keys(moe) == everything
-    assert all_keys(dense) == all_keys() == {k for k in everything if "fused_moe" not in k}
+    assert all_keys(moe_fp8) == everything
+    assert all_keys(moe) == {k for k in everything if "fp8_linear" not in k}
+    unquantized_dense = {k for k in everything if "fused_moe" not in k and "fp8" not in k}
+    assert all_keys(dense) == all_keys() == unquantized_dense
     assert "paged_attention.mixed" in all_keys() and "linear.mixed" not in all_keys()
 
 

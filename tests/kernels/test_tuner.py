@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from services.engine import EngineConfig  # noqa: E402
 from services.kernels import get_backend  # noqa: E402
 from services.kernels.shape_classes import (  # noqa: E402
+    FP8_OPS,
     GRAPH_CLASSES,
     MOE_OPS,
     NOT_GRAPH_SAFE,
@@ -32,7 +33,7 @@ SHAPES = KernelShapes(
     block_size=16,
     dtype="float32",
 )
-ALL_KEYS = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs if op not in MOE_OPS}
+ALL_KEYS = {f"{op}.{c}" for op, cs in OP_CLASSES.items() for c in cs if op not in MOE_OPS + FP8_OPS}
 MOE_SHAPES = KernelShapes(
     **{**SHAPES.__dict__, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
 )
@@ -104,7 +105,21 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
         TunedBackend(
             candidates, {k: v for k, v in result.choices.items() if k in ALL_KEYS}, MOE_SHAPES
         )
-    backend = TunedBackend(candidates, result.choices, MOE_SHAPES)
+    # the launch settings go with the choice (CPU: the kernel's default, not swept)
+    from services.kernels.triton.moe import default_config
+
+    for cls in OP_CLASSES["fused_moe"]:
+        key = f"fused_moe.{cls}"
+        if result.choices[key] == "triton":
+            want_cfg = default_config(sizes.tokens(cls), 4, 64, 32, 2, torch.float32)
+            assert result.configs[key] == want_cfg, key
+        else:
+            assert key not in result.configs
+    assert "| fused_moe | decode1 |" in result.table() and " g1 w4 " in result.table()
+    again = tune(MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    assert again.from_cache and again.configs == result.configs
+    backend = TunedBackend(candidates, result.choices, MOE_SHAPES, result.configs)
+    assert backend.configs == result.configs
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=gen)
     logits = torch.randn(3, 4, generator=gen)
@@ -116,6 +131,45 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
     torch.testing.assert_close(
         backend.fused_moe(x, logits, w13, w2, 2, True), want, rtol=1e-4, atol=1e-4
     )
+
+
+class _RecordingTriton:
+    """Observes the config the tuned backend hands to pdserve's Triton fused MoE."""
+
+    name = "triton"
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def fused_moe(self, *args, config=None):
+        self.seen.append(config)
+        return self.inner.fused_moe(*args, config=config)
+
+
+def test_tuned_backend_passes_the_tuned_launch_config(candidates):
+    from services.kernels.tuned_backend import TunedBackend
+
+    spy = _RecordingTriton(candidates["triton"])
+    choices = {k: "torch" for k in ALL_KEYS}
+    choices |= {f"fused_moe.{c}": "triton" for c in OP_CLASSES["fused_moe"]}
+    small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
+    backend = TunedBackend(
+        {"torch": candidates["torch"], "triton": spy},
+        choices,
+        MOE_SHAPES,
+        {"fused_moe.decode8": small},
+    )
+    gen = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(4, 64, 64, generator=gen) * 0.1, torch.randn(4, 64, 32, generator=gen)
+    for t in (3, 1):  # decode8, then decode1 (no tuned config: the kernel's default)
+        x, logits = torch.randn(t, 64, generator=gen), torch.randn(t, 4, generator=gen)
+        out = backend.fused_moe(x, logits, w13, w2, 2, True)
+        want = TorchBackend().fused_moe(x, logits, w13, w2, 2, True)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert spy.seen == [small, None]
 
 
 class _WrongNorm(TorchBackend):
@@ -175,3 +229,45 @@ def test_cache_location_and_unwritable_cache(tmp_path, monkeypatch, caplog):
     result = tune(SHAPES, "cpu", candidates=cands, sizes=TuningSizes.tiny())
     assert set(result.choices) == ALL_KEYS and not result.from_cache
     assert "could not save kernel tuning" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("tag", ["fp8_block_32x32", "fp8_channel"])
+def test_an_fp8_model_gets_fp8_linear_choices(tmp_path, candidates, tag):
+    """FP8 weights are their own op: measured on FP8 layers of the model's format, and
+    the tuned backend sends FP8 layers there and unquantized ones to `linear`."""
+    from services.kernels.fp8 import fp8_linear_reference
+    from services.kernels.tuned_backend import TunedBackend
+    from services.kernels.tuner import _random_fp8_layer
+
+    shapes = KernelShapes(**{**SHAPES.__dict__, "weight_quant": tag})
+    sizes = TuningSizes.tiny()
+    result = tune(shapes, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    fp8_keys = {f"fp8_linear.{c}" for c in OP_CLASSES["fp8_linear"]}
+    assert set(result.choices) == ALL_KEYS | fp8_keys
+    assert result.rejected == {}, result.rejected
+    for key in fp8_keys:
+        assert set(result.times_us[key]) == {"torch", "triton"}, key
+    backend = TunedBackend(candidates, result.choices, shapes)
+    gen = torch.Generator().manual_seed(2)
+    layer = _random_fp8_layer(64, 48, shapes.fp8_format(), gen, "cpu")
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(
+        backend.linear(x, layer), fp8_linear_reference(x, layer), rtol=1e-4, atol=1e-4
+    )
+    dense = TunedBackend(candidates, {k: "torch" for k in ALL_KEYS}, SHAPES)
+    with pytest.raises(ValueError, match="FP8 linear"):
+        dense.linear(x, layer)
+
+
+def test_weight_quant_tags():
+    from services.kernels.fp8 import Fp8Format
+    from services.kernels.shape_classes import weight_quant_tag
+
+    for fmt in (Fp8Format("block", 128, 64), Fp8Format("channel"), Fp8Format("tensor")):
+        shapes = KernelShapes(**{**SHAPES.__dict__, "weight_quant": weight_quant_tag(fmt)})
+        assert shapes.fp8_format() == fmt
+    assert weight_quant_tag(None) == "" and KernelShapes(**SHAPES.__dict__).fp8_format() is None
+    for bad in ("fp8", "fp8_block_128", "int8_channel", "fp8_block_ax1"):
+        with pytest.raises(ValueError, match="weight_quant"):
+            KernelShapes(**{**SHAPES.__dict__, "weight_quant": bad})

@@ -176,3 +176,49 @@ def test_package_never_imports_torch_or_engine():
     )
     repo_root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
+
+
+# ---- FP8 KV: the dtype and per-layer scales are part of the layout --------------------
+
+FP8 = dict(SMOL, dtype="float8_e4m3fn", k_scales=[1.0] * 30, v_scales=[0.5] * 30)
+
+
+def test_fp8_layout_moves_half_the_bytes_of_bf16_and_round_trips_its_scales():
+    lay = KVLayout(**FP8)
+    assert lay.block_bytes * 2 == KVLayout(**SMOL, dtype="bfloat16").block_bytes
+    assert lay.k_scales == (1.0,) * 30 and isinstance(lay.v_scales, tuple)
+    assert KVLayout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+    # and through the protobuf the workers exchange
+    from services.common import convert
+
+    info = KVAgentInfo(session_id="127.0.0.1:1234", base_addr=4096, layout=lay)
+    assert convert.agent_from_pb(convert.agent_to_pb(info)).layout == lay
+
+
+@pytest.mark.parametrize(
+    "change,error",
+    [
+        ({"k_scales": [1.0] * 29}, "k_scales has 29 entries for 30 layers"),
+        ({"v_scales": [1.0] * 29 + [0.0]}, "positive finite"),
+        ({"v_scales": [1.0] * 29 + [float("nan")]}, "positive finite"),
+        ({"k_scales": "1.0"}, "sequence of floats"),
+        ({"v_scales": []}, "given together"),
+    ],
+)
+def test_bad_scales_are_refused(change, error):
+    with pytest.raises(ValueError, match=error):
+        KVLayout(**{**FP8, **change})
+
+
+def test_kv_dtype_and_scale_mismatches_are_named():
+    fp8 = KVLayout(**FP8)
+    with pytest.raises(KVLayoutMismatch) as err:
+        check_compatible(fp8, KVLayout(**SMOL, dtype="bfloat16"))
+    assert set(err.value.fields) == {"dtype", "k_scales", "v_scales"}
+    assert "dtype: local='float8_e4m3fn' remote='bfloat16'" in str(err.value)
+    assert "k_scales: local has 30, remote none" in str(err.value)
+    other = KVLayout(**{**FP8, "v_scales": [0.5] * 7 + [0.25] + [0.5] * 22})
+    with pytest.raises(KVLayoutMismatch) as err:
+        check_compatible(fp8, other)
+    assert err.value.fields == ("v_scales",)
+    assert "v_scales: layer 7 local=0.5 remote=0.25" in str(err.value)

@@ -120,7 +120,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout")
+    __slots__ = ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout", "k_scales", "v_scales")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class KVLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_layers: int
@@ -135,7 +137,9 @@ class KVLayout(_message.Message):
     head_dim: int
     dtype: str
     layout: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVAgentInfo(_message.Message):
     __slots__ = ("session_id", "base_addr", "layout", "backend", "protocol")

@@ -27,7 +27,11 @@ block table (so any block size works, 1 included, and tiles may straddle blocks)
 K/V addresses are block_id * stride_b + offset * stride_s + head * stride_h + d * stride_d:
 the caches can be strided views of the engine's block-major tensor. Online softmax in
 fp32 with exp2; masked rows never produce NaN (the running max stays -inf and the
-exponent uses 0 in its place)."""
+exponent uses 0 in its place).
+
+FP8 caches (KV_FP8): K and V tiles are converted to q's dtype as loaded; k_scale is
+folded into the softmax scale and v_scale multiplies the accumulator once at the end
+(both are per-layer scalars), so the inner loop does no extra multiply."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.kernels.interface import kv_cache_is_fp8
 from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -51,7 +56,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_P] fp32, only when NUM_SPLITS > 1
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32 (running max, running sum)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    v_scale,  # FP8 cache: the accumulator's factor; else unused
     num_seqs,
     num_q_heads,
     stride_qt,
@@ -79,6 +85,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
+    KV_FP8: tl.constexpr,  # float8_e4m3fn cache: computed in q's dtype
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,7 +124,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     # keys [0, kv_end) are visible to some row of this block; row r sees keys <= limit[r]
     kv_end = context_len + tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, query_len)
@@ -148,6 +156,8 @@ def _paged_attention_kernel(
             mask=d_ok[:, None] & kv_ok[None, :],
             other=0.0,
         )  # [HEAD_DIM_P, TILE_N]
+        if KV_FP8:
+            k = k.to(q.dtype)
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PRECISION)
         else:
@@ -168,6 +178,8 @@ def _paged_attention_kernel(
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_P]
+        if KV_FP8:
+            v = v.to(q.dtype)
         p = p.to(v.dtype)
         if UPCAST_DOT:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
@@ -175,6 +187,9 @@ def _paged_attention_kernel(
             pv = tl.dot(p, v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if KV_FP8:
+        acc = acc * v_scale
 
     if NUM_SPLITS > 1:
         row_base = (tok * num_q_heads + head) * NUM_SPLITS + split
@@ -317,10 +332,14 @@ def paged_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
-    this step); cu_seqlens_q [num_seqs + 1] int32. Returns [T, Hq, D] in q's dtype."""
+    this step); cu_seqlens_q [num_seqs + 1] int32. Returns [T, Hq, D] in q's dtype.
+    FP8 caches are read as stored * k_scale / v_scale (None: 1.0)."""
+    kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     n_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -357,8 +376,12 @@ def paged_attention(
         )
     else:
         part_acc = part_ml = out  # unused
-    # fp32 caches: exact fp32 products (no tf32); 16-bit: the target default
-    precision = "ieee" if k_cache.dtype == torch.float32 else None
+    # fp32 compute: exact fp32 products (no tf32); 16-bit: the target default
+    compute_dtype = q.dtype if kv_fp8 else k_cache.dtype
+    precision = "ieee" if compute_dtype == torch.float32 else None
+    qk_scale = float(scale) * _LOG2E
+    if kv_fp8 and k_scale is not None:
+        qk_scale *= float(k_scale)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     grid = (cfg["num_q_blocks"], num_kv_heads, splits)
     _paged_attention_kernel[grid](
@@ -371,7 +394,8 @@ def paged_attention(
         cu_seqlens_q.contiguous(),
         part_acc,
         part_ml,
-        float(scale) * _LOG2E,
+        qk_scale,
+        1.0 if v_scale is None else float(v_scale),
         num_seqs,
         num_q_heads,
         *q.stride(),
@@ -388,7 +412,8 @@ def paged_attention(
         TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits,
         PRECISION=precision,
-        UPCAST_DOT=interp and k_cache.dtype == torch.bfloat16,
+        UPCAST_DOT=interp and compute_dtype == torch.bfloat16,
+        KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

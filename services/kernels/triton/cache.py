@@ -3,7 +3,10 @@
 
 Every tensor is addressed through its strides, so the caches may be the per-layer
 strided views of the engine's block-major [num_blocks, layers, 2, bs, Hk, D] tensor
-and k / v may be column slices of a fused qkv output. Slots < 0 are skipped (padding)."""
+and k / v may be column slices of a fused qkv output. Slots < 0 are skipped (padding).
+
+FP8 caches (float8_e4m3fn) store x / scale, saturated to +-448 and rounded to nearest
+even, exactly as the torch reference does (services/kernels/interface.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,35 @@ import torch
 import triton
 import triton.language as tl
 
+from services.kernels.interface import kv_cache_is_fp8
 from services.kernels.triton._launch import (
     check_device,
     is_interpreted,
     next_pow2,
     rows_per_program,
 )
+
+
+@triton.jit
+def _round_to_fp8_e4m3(x, scale):
+    """x / scale saturated to +-448 and rounded to the nearest e4m3 value (ties to even),
+    still in fp32, so the cast to fp8 that follows is exact. The rounding is done here,
+    not by the cast, because Triton's interpreter (the CPU tests) drops the carry when a
+    mantissa rounds up (-125.3 became -64); one code path for GPU and tests."""
+    y = tl.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's: the same ties
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    a = tl.abs(y)
+    # e4m3 keeps 3 mantissa bits above 2^-6 and a fixed step of 2^-9 below it (subnormals)
+    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    e = tl.maximum(e, -6) - 3  # log2 of the spacing of e4m3 values around a
+    step = ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    t = a * inv_step  # exact (a power of two), in [0, 16)
+    f = tl.floor(t)
+    d = t - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    r = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd)) * step
+    return tl.where(y < 0.0, -r, r)
 
 
 @triton.jit
@@ -27,6 +53,8 @@ def _store_kv_kernel(
     v_cache_ptr,
     slot_ptr,
     n_tokens,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -46,6 +74,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_HD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tokens
@@ -62,6 +91,8 @@ def _store_kv_kernel(
     k = tl.load(
         k_ptr + t64 * stride_kt + head[None, :] * stride_kh + dim[None, :] * stride_kd, mask=mask
     )
+    if FP8:
+        k = _round_to_fp8_e4m3(k, k_scale)
     kc = (blk * stride_kc_b + off * stride_kc_s)[:, None]
     kc += head[None, :] * stride_kc_h + dim[None, :] * stride_kc_d
     tl.store(k_cache_ptr + kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -69,6 +100,8 @@ def _store_kv_kernel(
     v = tl.load(
         v_ptr + t64 * stride_vt + head[None, :] * stride_vh + dim[None, :] * stride_vd, mask=mask
     )
+    if FP8:
+        v = _round_to_fp8_e4m3(v, v_scale)
     vc = (blk * stride_vc_b + off * stride_vc_s)[:, None]
     vc += head[None, :] * stride_vc_h + dim[None, :] * stride_vc_d
     tl.store(v_cache_ptr + vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -80,7 +113,10 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
+    fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
@@ -104,6 +140,8 @@ def store_kv_cache(
         v_cache,
         slot_mapping,
         n_tokens,
+        1.0 if k_scale is None else float(k_scale),
+        1.0 if v_scale is None else float(v_scale),
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),
@@ -113,5 +151,6 @@ def store_kv_cache(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t,
         BLOCK_HD=block_hd,
+        FP8=fp8,
         num_warps=4,
     )

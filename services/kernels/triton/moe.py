@@ -43,6 +43,12 @@ import triton.language as tl
 
 from services.kernels.triton._launch import check_device, is_interpreted
 from services.kernels.triton.moe_align import route_and_align
+from services.kernels.triton.moe_gemv import (
+    GEMV_MAX_PAIRS,
+    check_gemv_config,
+    default_gemv_config,
+    fused_moe_gemv,
+)
 
 MOE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -92,20 +98,68 @@ def default_config(
         cfg = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return _fit_smem(cfg, dtype)
+
+
+def _smem_bytes(cfg: dict, dtype: torch.dtype) -> int:
+    """GEMM 1's A tile plus gate and up tiles, per stage."""
     esize = torch.tensor([], dtype=dtype).element_size()
+    return cfg["num_stages"] * (cfg["BLOCK_M"] + 2 * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * esize
 
-    def smem(c):  # A tile plus gate and up tiles (GEMM 1), per stage
-        return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * esize
 
+def _fit_smem(cfg: dict, dtype: torch.dtype) -> dict:
+    """Fewer stages, then shallower K tiles, until the tiles fit this GPU's shared memory."""
     limit = _current_smem_limit()
-    while smem(cfg) > limit and cfg["num_stages"] > 2:
+    while _smem_bytes(cfg, dtype) > limit and cfg["num_stages"] > 2:
         cfg["num_stages"] -= 1
-    while smem(cfg) > limit and cfg["BLOCK_K"] > 16:
+    while _smem_bytes(cfg, dtype) > limit and cfg["BLOCK_K"] > 16:
         cfg["BLOCK_K"] //= 2
     return cfg
 
 
+def candidate_configs(
+    num_tokens: int,
+    E: int,
+    H: int,
+    I: int,  # noqa: E741
+    top_k: int,
+    dtype: torch.dtype,
+    limit: int = 4,
+) -> list[dict]:
+    """What the kernel tuner times per shape class on the running GPU: default_config
+    first, then single-step neighbours of it (taller M tiles once experts get many
+    rows, wider / narrower N tiles, the other K depth, the other warp count), fitted
+    to shared memory, without duplicates, `limit` of them; for at most GEMV_MAX_PAIRS
+    pairs also two settings of the GEMV path (moe_gemv.py). A handful only: each is a
+    compilation of both kernels on a worker's first start on a machine (~3 s on an
+    H200)."""
+    base = default_config(num_tokens, E, H, I, top_k, dtype)
+    steps = [
+        {},
+        {"BLOCK_N": base["BLOCK_N"] * 2},
+        {"BLOCK_N": max(16, base["BLOCK_N"] // 2)},
+        {"BLOCK_K": 128 if base["BLOCK_K"] < 128 else 64},
+        {"num_warps": 8 if base["num_warps"] == 4 else 4},
+    ]
+    if num_tokens * top_k / max(E, 1) > 32:
+        steps.insert(1, {"BLOCK_M": base["BLOCK_M"] * 2})
+    out: list[dict] = []
+    for step in steps:
+        cfg = _fit_smem({**base, **step}, dtype)
+        if cfg not in out:
+            out.append(cfg)
+    out = out[:limit]
+    if num_tokens * top_k <= GEMV_MAX_PAIRS:  # decode batches: the GEMV path too
+        gemv = default_gemv_config(num_tokens, E, H, I, top_k)
+        out += [gemv, {**gemv, "BLOCK_N": gemv["BLOCK_N"] // 2, "BLOCK_K": gemv["BLOCK_K"] * 2}]
+    return out
+
+
 def _check_config(cfg: dict) -> dict:
+    if cfg.get("kernel", "gemm") == "gemv":
+        return check_gemv_config(cfg)
+    if cfg.get("kernel", "gemm") != "gemm":
+        raise ValueError(f"fused_moe config kernel must be 'gemm' or 'gemv', got {cfg['kernel']!r}")
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"fused_moe config lacks {missing}")
@@ -295,6 +349,8 @@ def fused_moe(
         return torch.zeros_like(x)
     check_device(_moe_gemm_kernel, x, router_logits, w13, w2)
     cfg = _check_config(dict(config or default_config(t, e, h, inter, top_k, x.dtype)))
+    if cfg.get("kernel") == "gemv":
+        return fused_moe_gemv(x, router_logits, w13, w2, top_k, renormalize, cfg)
 
     weights, _, *align = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"], x.dtype)
     m = t * top_k

@@ -119,6 +119,8 @@ spec:
             - {{ $e.device | quote }}
             - --dtype
             - {{ $e.dtype | quote }}
+            - --kv-cache-dtype
+            - {{ $e.kvCacheDtype | quote }}
             - --load-format
             - {{ $e.loadFormat | quote }}
             - --block-size

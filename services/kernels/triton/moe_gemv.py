@@ -1,0 +1,161 @@
+"""Fused MoE for a handful of (token, expert) pairs: GEMVs, no alignment.
+
+At decode batch sizes a MoE layer is a pass over the chosen experts' weights, so only
+bandwidth counts. The tiled kernel (moe.py) groups pairs into BLOCK_M-row tiles per
+expert first (routing + alignment), and with one token it launches only
+experts x N-blocks programs (Qwen3-30B-A3B: 8 x 12 = 96 on a 132-SM H200), too few to
+keep HBM busy. Here each pair streams its expert's rows directly:
+
+1. routing (`_route_kernel`, moe_align's `_route_chunk`): softmax in fp32, the top_k,
+   optional renormalize -> weights [T * k] (x's dtype), ids [T * k];
+2. gate/up (`_gated_kernel`, grid pairs x cdiv(I, BLOCK_N)): fp32 FMAs of x's row
+   with the expert's gate and up rows, silu(gate) * up -> act [M, I] in x's dtype;
+3. down (`_down_kernel`, grid T x cdiv(H, BLOCK_N)): per token, each of its k pairs'
+   act row times w2[e] rows, scaled by the routing weight and rounded to x's dtype
+   (as moe.py rounds each pair's row), summed in fp32 over the k pairs -> out [T, H].
+   No atomics, no intermediate [M, H]: deterministic, and one launch fewer.
+
+Same semantics as moe.py's fused_moe; picked by the tuner (a config with
+"kernel": "gemv") where it is faster, i.e. decode batches. No host synchronisation."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.kernels.triton._launch import check_device, next_pow2
+from services.kernels.triton.moe_align import _route_chunk
+
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+# Beyond this many pairs experts are shared by several tokens, and the tiled kernel
+# reads each expert once where GEMVs would read it per pair.
+GEMV_MAX_PAIRS = 64
+_ROUTE_SUB_T = 16  # tokens per routing step (one program per 16 tokens)
+
+
+def default_gemv_config(num_tokens: int, E: int, H: int, I: int, top_k: int) -> dict:  # noqa: E741
+    """Narrow N blocks so both kernels launch a few programs per SM at one token."""
+    return {"kernel": "gemv", "BLOCK_N": 8, "BLOCK_K": min(256, next_pow2(max(H, 16))),
+            "num_warps": 4}  # fmt: skip
+
+
+def check_gemv_config(cfg: dict) -> dict:
+    missing = [k for k in GEMV_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"fused_moe gemv config lacks {missing}")
+    for key, low in (("BLOCK_N", 1), ("BLOCK_K", 16)):
+        v = cfg[key]
+        if not isinstance(v, int) or v < low or v & (v - 1):
+            raise ValueError(f"{key} must be a power of two >= {low}, got {v!r}")
+    if cfg["num_warps"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {cfg['num_warps']!r}")
+    return cfg
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, T, E,
+    K: tl.constexpr, K_P: tl.constexpr, RENORMALIZE: tl.constexpr, SUB_T: tl.constexpr,
+    E_P: tl.constexpr,
+):  # fmt: skip
+    t_start = tl.program_id(0) * SUB_T
+    _route_chunk(
+        logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, t_start,
+        tl.minimum(t_start + SUB_T, T), E, K, K_P, RENORMALIZE, SUB_T, E_P,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gated_kernel(
+    x_ptr, w_ptr, act_ptr, ids_ptr, H, INTER,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0
+    gate_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
+    up_ptrs = gate_ptrs + INTER * stride_wn
+    x_row = x_ptr + token * stride_xt
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_row + offs_k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(gate_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+        wu = tl.load(up_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+        gate += wg.to(tl.float32) * x[None, :]
+        up += wu.to(tl.float32) * x[None, :]
+    g = tl.sum(gate, axis=1)
+    u = tl.sum(up, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(
+        act_ptr + pair.to(tl.int64) * INTER + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok
+    )
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, INTER,
+    stride_we, stride_wn, stride_wk, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < INTER
+            a = tl.load(act_ptr + pair * INTER + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        # each pair's row rounded to x's dtype first, as the tiled kernel stores it
+        part = (tl.sum(acc, axis=1) * weight).to(out_ptr.dtype.element_ty)
+        total += part.to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_n * stride_oh, total.to(out_ptr.dtype.element_ty),
+             mask=n_ok)  # fmt: skip
+
+
+def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict):
+    """moe.fused_moe's contract (checked there) for a config with "kernel": "gemv"."""
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    check_device(_gated_kernel, x, router_logits, w13, w2)
+    cfg = check_gemv_config(config)
+    m = t * top_k
+    weights = torch.empty(m, dtype=x.dtype, device=x.device)
+    ids = torch.empty(m, dtype=torch.int32, device=x.device)
+    _route_kernel[(triton.cdiv(t, _ROUTE_SUB_T),)](
+        router_logits, router_logits.stride(0), router_logits.stride(1), weights, ids, t, e,
+        K=top_k, K_P=next_pow2(top_k), RENORMALIZE=renormalize, SUB_T=_ROUTE_SUB_T,
+        E_P=next_pow2(max(e, 2)),
+    )  # fmt: skip
+    block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    _gated_kernel[(m, triton.cdiv(inter, block_n))](
+        x, w13, act, ids, h, inter, x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _down_kernel[(t, triton.cdiv(h, block_n))](
+        act, w2, out, ids, weights, h, inter, w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(max(inter, 16))),
+        num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,143 @@
+"""Fp8Linear: a linear layer whose weight stays in float8_e4m3fn in memory (a byte per
+weight, so a 70B model fits one H200), with its float32 scales and an explicit
+Fp8Format (services/kernels/fp8.py) saying how they cover the weight. The kernel
+backend's `linear` computes it (`ops.linear(x, layer)`, like every Linear); the
+loader builds these in place of `Linear` where the quantization config says so
+(loader.py, quantization.py) and fills them through `load_weight` / `load_scale`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.kernels import KernelBackend
+from services.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Format, quantize_weight_per_channel
+
+
+class Fp8Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        fmt: Fp8Format,
+        ops: KernelBackend,
+        bias_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fp8_format = fmt  # a plain attribute: kernels read it (fp8_format_of)
+        self.ops = ops
+        shape = fmt.scale_shape(out_features, in_features)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(shape, dtype=torch.float32), requires_grad=False
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=bias_dtype), requires_grad=False
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear, fmt: Fp8Format) -> Fp8Linear:
+        """An Fp8Linear of the same shape, on the same device (the loader swaps them on
+        the meta device, before any memory is allocated)."""
+        bias = linear.bias
+        with torch.device(linear.weight.device):
+            return cls(
+                linear.in_features,
+                linear.out_features,
+                bias is not None,
+                fmt,
+                linear.ops,
+                bias.dtype if bias is not None else torch.float32,
+            )
+
+    def forward(self, x):
+        return self.ops.linear(x, self)
+
+    def extra_repr(self) -> str:
+        fmt = self.fp8_format
+        blocks = f" {fmt.block_n}x{fmt.block_k}" if fmt.granularity == "block" else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, fp8 {fmt.granularity}{blocks}"
+        )
+
+    # ---- loading -------------------------------------------------------------------
+    def load_weight(self, tensor: torch.Tensor, start: int, size: int, name: str) -> None:
+        """Output rows start:start+size from a float8_e4m3fn checkpoint tensor."""
+        if tensor.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{name}: the quantization config makes this layer FP8, but the checkpoint "
+                f"holds {tensor.dtype} (expected float8_e4m3fn)"
+            )
+        _copy_rows(self.weight.data[start : start + size], tensor, name)
+
+    def load_scale(
+        self, tensor: torch.Tensor, start: int, size: int, name: str, per_tensor: bool
+    ) -> None:
+        """The scales of output rows start:start+size. `per_tensor`: the checkpoint has one
+        scale for the whole shard (a fused layer then holds it per row: exact, no
+        requantization)."""
+        fmt, dst = self.fp8_format, self.weight_scale.data
+        if fmt.granularity == "block":
+            n0 = start // fmt.block_n
+            rows = -(-size // fmt.block_n)
+            _copy_rows(dst[n0 : n0 + rows], tensor.float(), name)
+        elif per_tensor:
+            if tensor.numel() != 1:
+                raise ValueError(f"{name}: a per-tensor scale has shape {tuple(tensor.shape)}")
+            if fmt.granularity == "channel":
+                dst[start : start + size] = tensor.float().reshape(())
+            else:
+                dst.copy_(tensor.float().reshape(()))
+        else:
+            # compressed-tensors writes per-channel scales as [N, 1]
+            if tensor.numel() != size or tensor.dim() not in (1, 2) or tensor.shape[0] != size:
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)}, expected [{size}, 1] or [{size}] "
+                    "(one scale per output channel)"
+                )
+            dst[start : start + size] = tensor.float().reshape(size)
+
+    def quantize_rows(self, tensor: torch.Tensor, start: int, size: int, name: str) -> None:
+        """Online quantization: full-precision rows -> FP8 with a scale per row."""
+        if self.fp8_format.granularity != "channel":
+            raise ValueError(f"{name}: online quantization makes per-channel FP8 layers only")
+        if tuple(tensor.shape) != (size, self.in_features):
+            raise ValueError(
+                f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                f"{(size, self.in_features)}"
+            )
+        # on the layer's device: an 8B model quantizes in a second there, minutes on a CPU
+        q, scale = quantize_weight_per_channel(tensor.to(self.weight.device))
+        self.weight.data[start : start + size] = q
+        self.weight_scale.data[start : start + size] = scale
+
+    def fill_random(self, generator: torch.Generator, amplitude: float) -> None:
+        """Dummy weights (load_format="dummy"): uniform in +-amplitude once dequantized,
+        drawn row chunk by row chunk on the layer's device (no full fp32 copy)."""
+        w = self.weight.data
+        chunk = max(1, (1 << 26) // max(1, self.in_features))
+        for r in range(0, w.shape[0], chunk):
+            rows = w[r : r + chunk]
+            tmp = torch.empty(rows.shape, device=w.device, dtype=torch.float32)
+            rows.copy_(tmp.uniform_(-FP8_MAX, FP8_MAX, generator=generator).to(FP8_DTYPE))
+        self.weight_scale.data.fill_(amplitude / FP8_MAX)
+        if self.bias is not None:
+            self.bias.data.uniform_(-amplitude, amplitude, generator=generator)
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"{name}: shape {tuple(src.shape)} in the checkpoint, the model expects "
+            f"{tuple(dst.shape)}"
+        )
+    dst.copy_(src)
