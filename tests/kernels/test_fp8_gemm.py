@@ -39,6 +39,15 @@ FORMATS = {
 # rounding and, for 16-bit inputs, an activation rounded to FP8 from a slightly
 # different value at a rounding boundary
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# fp32 outputs of FP8 tensor-core GEMMs on a GPU: Hopper's FP8 MMA keeps ~14 bits of
+# its fp32 accumulator between K steps (DeepSeek-V3 report, sec. 3.3.2), so a GEMM
+# over a few hundred K measured 2e-4 against the exact reference on an H200 (CPU: the
+# interpreter accumulates in full fp32).
+FP32_GPU_TOL = 1e-3
+
+
+def fp32_tol(device) -> float:
+    return FP32_GPU_TOL if torch.device(device).type == "cuda" else TOL[torch.float32]
 
 
 class _Layer(torch.nn.Module):
@@ -92,7 +101,7 @@ def test_triton_fp8_gemm_matches_the_reference(fmt, m, device):
     out = tk.fp8_linear(x, layer)
     ref = fp8_linear_reference(x, layer)
     assert out.shape == (m, 200) and out.dtype == torch.float32
-    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(out, ref) < fp32_tol(device)
 
 
 def test_the_reference_is_dequantized_math(device):
@@ -118,7 +127,7 @@ def test_backends_dispatch_fp8_layers(device):
     x = _x(4, 128, torch.float32, device)
     ref = fp8_linear_reference(x, layer)
     assert torch.equal(TorchBackend().linear(x, layer), ref)
-    assert rel_err(TritonBackend().linear(x, layer), ref) < TOL[torch.float32]
+    assert rel_err(TritonBackend().linear(x, layer), ref) < fp32_tol(device)
     # 3-D input, as a model may pass
     out3 = TritonBackend().linear(x.view(2, 2, 128), layer)
     assert out3.shape == (2, 2, 64)
@@ -151,7 +160,7 @@ def test_aiter_fp8_gemms_match_the_reference(fmt, aiter_backend, device):
         layer = make_layer(200, 328, FORMATS[fmt], device=device, bias=fmt == "channel")
         x = _x(m, 328, torch.float32, device)
         out = aiter_backend.linear(x, layer)
-        assert rel_err(out, fp8_linear_reference(x, layer)) < TOL[torch.float32]
+        assert rel_err(out, fp8_linear_reference(x, layer)) < fp32_tol(device)
 
 
 # ---- every FP8 candidate on a GPU ------------------------------------------------------
