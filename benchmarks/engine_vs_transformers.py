@@ -1,8 +1,10 @@
 """Decode throughput of the pdserve engine vs transformers' generate() on this CPU.
 
-Same model (default SmolLM2-135M), same dtype (fp32), greedy; output tokens per second.
+Same model (default SmolLM2-135M), same dtype (fp32 by default, or --dtype bfloat16 for
+both), greedy; output tokens per second. pdserve runs its default kernel backend (on a
+CPU: `tuned`, which measures the CPU's own candidates first; --kernel-backend overrides).
 
-    .venv/bin/python benchmarks/engine_vs_transformers.py --max-tokens 64
+    .venv/bin/python benchmarks/engine_vs_transformers.py --max-tokens 64 [--dtype bfloat16]
 
 Workloads (N concurrent requests, all submitted at once):
 - equal:  N copies of one prompt shape, each exactly --max-tokens new tokens: the best
@@ -88,16 +90,36 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", nargs="+", default=["equal", "varied"])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--kernel-backend", default="auto")
+    parser.add_argument("--kernel-choices", default=None, help="tuned backend overrides")
     args = parser.parse_args()
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model.eval()
+    start = time.perf_counter()
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        kernel_backend=args.kernel_backend,
+        kernel_choices=args.kernel_choices,
+    )
+    ready_s = time.perf_counter() - start
+    ops = llm.engine.runner.ops
     # warm-up both (first calls allocate and pick kernels)
     bench_transformers(model, tok, ["warm up"], [4], "batched")
     llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
 
-    print(f"torch threads: {torch.get_num_threads()}")
+    from services.kernels.tuner import cpu_model
+
+    print(
+        f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, dtype {args.dtype}, "
+        f"pdserve backend {ops.name} (engine ready in {ready_s:.1f} s)"
+    )
+    if getattr(ops, "choices", None):
+        linear = {k: v for k, v in ops.choices.items() if k.startswith(("linear", "paged"))}
+        print(f"tuned choices: {linear}")
     print(
         "| requests | workload | transformers mode | transformers tok/s | pdserve tok/s | speedup |"
     )

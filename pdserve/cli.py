@@ -158,6 +158,19 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get before they are aborted",
     )
+    p.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="report SERVING without the warm-up batches (faster start; the first "
+        "request of each batch shape then compiles kernels on the serving path)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="pdserve's log level; debug also shows the transfer engine's (Mooncake) "
+        "own lines, which otherwise appear only as warnings and errors",
+    )
     if role == "decode":
         p.add_argument(
             "--prefill-timeout",
@@ -180,11 +193,14 @@ def _cmd_worker(args) -> int:
     import logging
 
     from kvtransfer.faults import TransferFaults
+    from services.common.native_log import NativeStderrRouter, glog_minloglevel
     from services.common.settings import WorkerSettings
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # before Mooncake's library loads: glog reads it once, at load time
+    os.environ["GLOG_minloglevel"] = glog_minloglevel(args.log_level, os.environ)
     role = args.command
     settings = WorkerSettings(
         host=args.host,
@@ -198,6 +214,7 @@ def _cmd_worker(args) -> int:
         transfer_write_mode=args.transfer_write_mode,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         drain_timeout_s=args.drain_timeout,
+        skip_warmup=args.skip_warmup,
         fault_pause_mid_transfer_s=float(os.environ.get("PDSERVE_FAULT_PAUSE_MID_TRANSFER_S", 0)),
         transfer_faults=TransferFaults.from_env(),
         **(
@@ -215,7 +232,12 @@ def _cmd_worker(args) -> int:
         from services.prefill.server import run
     else:
         from services.decode.server import run
-    run(config, settings)
+    native = NativeStderrRouter()  # Mooncake's glog lines through our logging
+    native.start()
+    try:
+        run(config, settings)
+    finally:
+        native.stop()
     return 0
 
 

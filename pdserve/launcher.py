@@ -47,6 +47,15 @@ class Child:
                 self.address = event["address"]
                 if event["event"] == "ready":
                     self.ready.set()
+                    startup = event.get("startup")
+                    if startup:  # one line per worker: its start-up phases and total
+                        phases = ", ".join(f"{k} {v:.1f}s" for k, v in startup["phases"].items())
+                        print(
+                            f"pdserve up: {self.name} ready in {startup['total_s']:.1f}s "
+                            f"({phases})",
+                            flush=True,
+                        )
+                    continue  # the full event (warm-up shapes) is too long to echo
             if self.echo:
                 sys.stdout.write(f"[{self.name}] {line}")
                 sys.stdout.flush()
@@ -100,7 +109,8 @@ def run_up(args, worker_args: list[str]) -> int:
     hint = transport_hint(plan, worker_args)
     if hint:
         print(f"pdserve up: {hint}", file=sys.stderr)
-    env = {**os.environ, "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
+    # workers route Mooncake's own log lines through their logging (--log-level)
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")] if p
     )

@@ -8,6 +8,7 @@ import os
 
 from router.config import RouterConfig
 from router.policies import POLICIES
+from router.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
@@ -75,6 +76,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         default=d.max_retries,
         help="other pairs to try when a worker fails before the first token",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="return a reasoning model's <think>...</think> as `reasoning` / "
+        f"`reasoning_content` apart from `content` in chat completions: one of "
+        f"{', '.join(sorted(REASONING_PARSERS))} (default: none)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -98,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         dns_interval=args.dns_interval,
         max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from router.policies import POLICIES
+from router.reasoning import REASONING_PARSERS
 
 ROLES = ("prefill", "decode")
 
@@ -68,6 +69,8 @@ class RouterConfig:
     max_retries: int = 2  # other pairs tried when a worker fails before the first token
     retry_after: int = 1  # seconds, the Retry-After header of a 429
     pair_timeout: float = 30.0  # seconds an AddPrefillPeer handshake may take
+    # split <think>...</think> into `reasoning` / `content` (vLLM's --reasoning-parser)
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         self.prefill = tuple(normalize_address(a) for a in self.prefill)
@@ -88,6 +91,11 @@ class RouterConfig:
             raise ValueError("admin_token must be non-empty when given")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must be non-empty when given")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning_parser {self.reasoning_parser!r}; choose one of "
+                f"{sorted(REASONING_PARSERS)}"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         for name in (

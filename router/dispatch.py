@@ -24,6 +24,7 @@ from router.policies import make_policy
 from router.protocol import GenerationRequest
 from router.registry import Worker, WorkerRegistry
 from router.request_id import RequestLog
+from router.responses import FINISH_REASONS
 
 _QUEUE_SIZE = 1024  # responses buffered per request before the workers' streams wait
 _EVENT_MARGIN_S = 5.0
@@ -53,15 +54,18 @@ class Dispatcher:
         request_id: str,
         log: RequestLog,
         worker_model: str | None,
+        model_name: str = "",
     ) -> GenerationRun:
-        return GenerationRun(self, req, request_id, log, worker_model)
+        return GenerationRun(self, req, request_id, log, worker_model, model_name)
 
 
 class GenerationRun:
     """`async with dispatcher.run(...) as run: async for event in run.events(): ...`"""
 
-    def __init__(self, dispatcher, req, request_id, log, worker_model):
+    def __init__(self, dispatcher, req, request_id, log, worker_model, model_name=""):
         self.d = dispatcher
+        self.model_name = model_name  # the vllm: metrics' model_name label
+        self.last_token_at: dict[int, float] = {}
         self.req = req
         self.request_id = request_id
         self.log = log
@@ -128,22 +132,42 @@ class GenerationRun:
                 )
                 return
             now = time.monotonic()
-            if ev.resp is not None and ev.index not in self.first_token_at:
-                self.first_token_at[ev.index] = now
-                self.d.metrics.ttft.observe(now - self.started_at)
+            if ev.resp is not None:
+                self._observe_tokens(ev.index, ev.resp, now)
             if ev.error is not None or ev.resp.finish_reason:
                 left -= 1
                 if ev.resp is not None:
                     self._observe_final(ev.index, ev.resp, now)
             yield ev
-        self.d.metrics.e2e.observe(time.monotonic() - self.started_at)
+        e2e = time.monotonic() - self.started_at
+        self.d.metrics.e2e.observe(e2e)
+        self.d.metrics.vllm.e2e.labels(self.model_name).observe(e2e)
+
+    def _observe_tokens(self, index: int, resp, now: float) -> None:
+        vllm = self.d.metrics.vllm
+        if index not in self.first_token_at:
+            self.first_token_at[index] = now
+            self.d.metrics.ttft.observe(now - self.started_at)
+            vllm.ttft.labels(self.model_name).observe(now - self.started_at)
+        elif resp.token_ids:
+            # a response may carry several tokens: each gets an equal share of the gap
+            n = len(resp.token_ids)
+            itl = vllm.itl.labels(self.model_name)
+            for _ in range(n):
+                itl.observe((now - self.last_token_at[index]) / n)
+        if resp.token_ids:
+            self.last_token_at[index] = now
 
     def _observe_final(self, index: int, resp, now: float) -> None:
         m = self.d.metrics
         usage = resp.usage
         m.generation_tokens.inc(usage.completion_tokens)
+        vllm, name = m.vllm, self.model_name
+        vllm.generation_tokens.labels(name).inc(usage.completion_tokens)
+        vllm.success.labels(name, FINISH_REASONS.get(resp.finish_reason, "stop")).inc()
         if index % self.req.n == 0:
             m.prompt_tokens.inc(usage.prompt_tokens)
+            vllm.prompt_tokens.labels(name).inc(usage.prompt_tokens)
         if usage.completion_tokens > 1:
             m.tpot.observe((now - self.first_token_at[index]) / (usage.completion_tokens - 1))
         if resp.HasField("timings"):
@@ -182,7 +206,9 @@ class GenerationRun:
                 request_id=self._worker_id(index, attempt),
                 sampling_params=req.sampling_params(index),
                 prefill_address=prefill.address,
-                return_prompt=req.echo and prompt.text is None,
+                # the prompt's ids: echo of a token-id prompt, and its length for
+                # continuous usage stats
+                return_prompt=(req.echo and prompt.text is None) or req.continuous_usage,
                 **prompt.to_pb_fields(),
             )
             code, details, started = await self._attempt(index, gen, decode, prefill, remaining)

@@ -54,6 +54,113 @@ class WorkerCollector:
         yield from (healthy, inflight, sent, *report.values())
 
 
+_VLLM_TTFT = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_VLLM_ITL = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_VLLM_E2E = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class VllmRequestMetrics:
+    """The request metrics vLLM's server exports, labelled model_name (the name the
+    router answers with). A choice of an n > 1 request counts as a request, as vLLM
+    counts its child requests."""
+
+    def __init__(self, registry: CollectorRegistry):
+        kw = {"labelnames": ["model_name"], "registry": registry}
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", **kw)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens processed", **kw
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            buckets=_VLLM_TTFT,
+            **kw,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            buckets=_VLLM_ITL,
+            **kw,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds",
+            buckets=_VLLM_E2E,
+            **kw,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests",
+            labelnames=["model_name", "finished_reason"],
+            registry=registry,
+        )
+
+
 class RouterMetrics:
     def __init__(self, workers: Callable[[], Iterable] | None = None):
         self.registry = CollectorRegistry()
@@ -123,6 +230,10 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "pdserve_router_generation_tokens", "tokens generated", registry=r
         )
+        # vLLM's per-request metrics under its names and labels, so dashboards and
+        # autoscaling rules written for vLLM work; the engine-side gauges
+        # (vllm:num_requests_running, ...) are the workers' (services/common/metrics.py).
+        self.vllm = VllmRequestMetrics(r)
         if workers is not None:
             r.register(WorkerCollector(workers))
 

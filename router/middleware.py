@@ -65,12 +65,16 @@ def _matches(token: str | None, keys) -> bool:
     return any([hmac.compare_digest(token.encode(), k.encode()) for k in keys])
 
 
+_KEYED = ("/tokenize", "/detokenize")
+
+
 @web.middleware
 async def auth(request: web.Request, handler):
-    """API keys guard /v1; the admin token guards /admin. Probes and metrics are open."""
+    """API keys guard /v1 and the tokenizer endpoints (they reach the workers); the
+    admin token guards /admin. Probes, /version and metrics are open."""
     config = request.app[STATE].config
     path = request.path
-    if path.startswith("/v1/") and config.api_keys:
+    if (path.startswith("/v1/") or path in _KEYED) and config.api_keys:
         token = _bearer(request)
         if not _matches(token, config.api_keys):
             msg = (

@@ -28,12 +28,128 @@ _MISSING = object()
 _UNSUPPORTED = {
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
     "tool_choice": "tool calling is not supported",
-    "logit_bias": "logit_bias is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
     "suffix": "suffix is not supported",
     "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
+    "metadata": "stored completions (store, metadata) are not supported",
+    "store": "stored completions (store, metadata) are not supported",
+    "service_tier": "service tiers are not supported",
+    "moderation": "moderation is not supported",
+    "web_search_options": "web search is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported (prefix caching is automatic)",
+    "prompt_cache_options": "prompt cache options are not supported (prefix caching is automatic)",
+    "prompt_cache_retention": "prompt_cache_retention is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "include_reasoning": "include_reasoning is not supported",
+    "thinking_token_budget": "thinking_token_budget is not supported",
+    # vLLM's extensions
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "watermarking": "watermarking is not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
+    "truncation_side": "only truncation_side 'left' (keep the last tokens) is supported",
+    "logprob_token_ids": "logprob_token_ids is not supported",
+    "add_special_tokens": "add_special_tokens is not supported",
+    "documents": "documents (RAG chat templates) are not supported",
+    "chat_template": "a per-request chat_template is not supported",
+    "media_io_kwargs": "multimodal inputs are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "prompt_embeds": "prompt_embeds are not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "guided_json": "structured outputs (guided_json) are not supported",
+    "guided_regex": "structured outputs (guided_regex) are not supported",
+    "guided_choice": "structured outputs (guided_choice) are not supported",
+    "guided_grammar": "structured outputs (guided_grammar) are not supported",
+    "structural_tag": "structured outputs (structural_tag) are not supported",
+    "guided_decoding_backend": "structured outputs are not supported",
+    "guided_whitespace_pattern": "structured outputs are not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "request_id": "request_id in the body is not supported: send the X-Request-Id header",
+    "session_id": "session_id is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "return_prompt_text": "return_prompt_text is not supported",
+    "return_token_offsets": "return_token_offsets is not supported",
+    "return_mm_kwargs": "multimodal inputs are not supported",
+    "routed_experts_prompt_start": "routed expert data is not supported",
+    "cache_salt": "cache_salt is not supported",
+    "kv_transfer_params": "kv_transfer_params are not supported (the router pairs workers itself)",
+    "ec_transfer_params": "ec_transfer_params are not supported",
+    "vllm_xargs": "vllm_xargs are not supported",
+    "repetition_detection": "repetition_detection is not supported",
+    "stream_interval": "stream_interval is not supported",
 }
+# Values of unsupported parameters that ask for nothing (their defaults), besides None
+# and empty values: sending them is fine.
+_NO_OP = {
+    "parallel_tool_calls": (True, False),
+    "modalities": (["text"],),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "include_reasoning": (True,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "watermarking": (False,),
+    "spaces_between_special_tokens": (True,),
+    "truncation_side": ("left",),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "return_prompt_text": (False,),
+    "return_token_offsets": (False,),
+    "return_mm_kwargs": (True,),
+    "routed_experts_prompt_start": (0,),
+}
+# add_special_tokens: chat's default is false (the template adds them), completions'
+# true (the tokenizer's encode adds them), which is what the workers do
+_NO_OP_BY_KIND = {("chat", "add_special_tokens"): False, ("completion", "add_special_tokens"): True}
+
+# Every parameter each endpoint honours; with the ones above, what it knows. Anything
+# else is refused by name (OpenAI does the same), so no field is silently ignored.
+_HONOURED_COMMON = {
+    "model", "n", "best_of", "stream", "stream_options", "max_tokens", "seed", "stop",
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "user", "safety_identifier", "response_format", "top_k", "min_p", "repetition_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+    "bad_words", "priority",
+}  # fmt: skip
+HONOURED_FIELDS = {
+    "chat": _HONOURED_COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+    },  # fmt: skip
+    "completion": _HONOURED_COMMON | {"prompt", "echo"},
+}
+
+
+def _is_no_op(kind: str, name: str, v: Any) -> bool:
+    if v is None or (isinstance(v, (list, dict, str)) and not v):
+        return True
+    allowed = [
+        *_NO_OP.get(name, ()),
+        *([_NO_OP_BY_KIND[kind, name]] if (kind, name) in _NO_OP_BY_KIND else []),
+    ]
+    return any(type(v) is type(a) and v == a for a in allowed)
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    for name, v in body.items():
+        if name in _UNSUPPORTED:
+            if not _is_no_op(kind, name, v):
+                raise bad_request(_UNSUPPORTED[name], name)
+        elif name not in HONOURED_FIELDS[kind]:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
 
 
 @dataclass
@@ -43,6 +159,10 @@ class Prompt:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[tuple[str, str]] | None = None
+    # chat options (vLLM's), with messages only
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
     def prefix_key(self, chars: int = 256, tokens: int = 64) -> str:
         """The prompt's leading part: the key of the prefix_aware policy."""
@@ -56,9 +176,18 @@ class Prompt:
         if self.token_ids is not None:
             return {"token_ids": common_pb2.TokenIds(ids=self.token_ids)}
         if self.messages is not None:
-            msgs = [common_pb2.ChatMessage(role=r, content=c) for r, c in self.messages]
-            return {"chat": common_pb2.Conversation(messages=msgs)}
+            return {"chat": self.conversation_pb()}
         return {"text": self.text}
+
+    def conversation_pb(self) -> common_pb2.Conversation:
+        return common_pb2.Conversation(
+            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in self.messages],
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs_json=(
+                json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else ""
+            ),
+        )
 
 
 @dataclass
@@ -69,11 +198,15 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-n per prompt token)
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     max_tokens: int | None = None  # None: until the context is full
     seed: int | None = None
+    # OpenAI's end-user ids (abuse monitoring): logged with the request
     user: str | None = None
+    safety_identifier: str | None = None
     sampling: dict = field(default_factory=dict)  # SamplingParams fields except seed/max
 
     @property
@@ -89,6 +222,11 @@ class GenerationRequest:
             pb.seed = self.seed + choice % self.n
         if self.logprobs is not None:
             pb.logprobs = self.logprobs
+        # echo + logprobs reports the prompt tokens' logprobs with the same top-n
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        wanted = [n for n in wanted if n is not None]
+        if wanted:
+            pb.prompt_logprobs = max(wanted)
         return pb
 
 
@@ -213,9 +351,9 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_unicode(body)
-    for name, why in _UNSUPPORTED.items():
-        if body.get(name) not in (None, [], {}, ""):
-            raise bad_request(why, name)
+    _check_fields(body, kind)
+    if kind == "chat" and _bool(body, "echo"):
+        raise bad_request("echo is not supported for chat completions", "echo")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
@@ -227,7 +365,7 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
         raise bad_request("best_of other than n is not supported", "best_of")
 
     stream = _bool(body, "stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     opts = _get(body, "stream_options", _MISSING)
     if opts is not _MISSING:
         if not stream:
@@ -237,6 +375,18 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
         if not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _bool(opts, "include_usage")
+        continuous_usage = _bool(opts, "continuous_usage_stats")
+        if continuous_usage and not include_usage:
+            raise bad_request(
+                "stream_options.continuous_usage_stats requires include_usage",
+                "stream_options.continuous_usage_stats",
+            )
+        for key in opts:
+            if key not in ("include_usage", "continuous_usage_stats") and opts[key] not in (
+                None,
+                False,
+            ):
+                raise bad_request(f"stream_options.{key} is not supported", f"stream_options.{key}")
 
     max_tokens = _int(body, "max_tokens", 1, MAX_UINT32)
     max_completion = _int(body, "max_completion_tokens", 1, MAX_UINT32)
@@ -281,17 +431,86 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
         ),
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
+    sampling.update(_logits_shaping(body))
+    if _int(body, "priority", -MAX_INT32, MAX_INT32, default=0) != 0:
+        # vLLM's rule under its default (fcfs) policy: the workers schedule first come,
+        # first served, so a priority would be a promise not kept
+        raise bad_request(
+            "priority scheduling is not enabled: the workers schedule first come, first "
+            "served; 'priority' must be 0",
+            "priority",
+        )
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     fields = dict(
         kind=kind,
         model=model,
         n=n,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_logprobs=prompt_logprobs,
         max_tokens=max_tokens,
         seed=seed,
         user=_str(body, "user"),
+        safety_identifier=_str(body, "safety_identifier"),
     )
     return fields, sampling
+
+
+def _logits_shaping(body: dict) -> dict:
+    """logit_bias (OpenAI), bad_words, allowed_token_ids and truncate_prompt_tokens
+    (vLLM) as SamplingParams fields; token ids are checked against the vocabulary by
+    the worker."""
+    out: dict = {}
+    bias = _get(body, "logit_bias", _MISSING)
+    if bias is not _MISSING:
+        if not isinstance(bias, dict):
+            raise bad_request("'logit_bias' must be an object of token id -> bias", "logit_bias")
+        table = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise bad_request(
+                    f"'logit_bias' key {k!r} is not a token id", "logit_bias"
+                ) from None
+            if not 0 <= tid <= MAX_TOKEN_ID:
+                raise bad_request(f"'logit_bias' has an out-of-range token id {k}", "logit_bias")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise bad_request(
+                    f"'logit_bias' values must be numbers in [-100, 100], got {v!r} for {k}",
+                    "logit_bias",
+                )
+            table[tid] = float(v)
+        if table:
+            out["logit_bias"] = table
+    words = _get(body, "bad_words", [])
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise bad_request("'bad_words' must be a list of non-empty strings", "bad_words")
+    if words:
+        out["bad_words"] = words
+    allowed = _get(body, "allowed_token_ids", _MISSING)
+    if allowed is not _MISSING:
+        if not isinstance(allowed, list):
+            raise bad_request(
+                "'allowed_token_ids' must be a list of token ids", "allowed_token_ids"
+            )
+        out["allowed_token_ids"] = common_pb2.TokenIds(
+            ids=_token_list(allowed, "allowed_token_ids")
+        )
+    keep = _int(body, "truncate_prompt_tokens", -1, MAX_INT32)
+    if keep is not None:
+        if keep == 0:
+            raise bad_request(
+                "'truncate_prompt_tokens' must be -1 (max_model_len) or at least 1",
+                "truncate_prompt_tokens",
+            )
+        out["truncate_prompt_tokens"] = keep
+    return out
 
 
 def _content(v: Any, i: int) -> str:
@@ -311,8 +530,76 @@ def _content(v: Any, i: int) -> str:
     raise bad_request("message content must be a string or a list of text parts", param)
 
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+# (services/models/tokenizer.py holds the same set, checked equal by a test).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _chat_prompt(body: dict) -> Prompt:
+    """The conversation and vLLM's chat options: add_generation_prompt (default true),
+    continue_final_message (the final message stays open and generation continues it;
+    exclusive with add_generation_prompt, as in vLLM) and chat_template_kwargs."""
+    add_generation_prompt = _bool(body, "add_generation_prompt", default=True)
+    continue_final_message = _bool(body, "continue_final_message")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+            "(set add_generation_prompt to false)",
+            "continue_final_message",
+        )
+    kwargs = _get(body, "chat_template_kwargs", _MISSING)
+    if kwargs is _MISSING:
+        kwargs = None
+    elif not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    else:
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise bad_request(
+                    f"chat_template_kwargs may not set {key!r}: it is an argument of the "
+                    "template call (a request field where the request has one)",
+                    f"chat_template_kwargs.{key}",
+                )
+    return Prompt(
+        messages=_messages(body),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=kwargs or None,
+    )
+
+
 def parse_chat_request(body: Any) -> GenerationRequest:
     fields, sampling = _common(body, "chat")
+    prompt = _chat_prompt(body)
+
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    return GenerationRequest(prompts=[prompt], logprobs=logprobs, sampling=sampling, **fields)
+
+
+def _messages(body: dict) -> list[tuple[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -329,15 +616,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         if "content" not in m or m["content"] is None:
             raise bad_request("each message needs content", f"messages[{i}].content")
         conv.append((CHAT_ROLES[role], _content(m["content"], i)))
-
-    want_logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if top is not None and not want_logprobs:
-        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-    logprobs = (top or 0) if want_logprobs else None
-    return GenerationRequest(
-        prompts=[Prompt(messages=conv)], logprobs=logprobs, sampling=sampling, **fields
-    )
+    return conv
 
 
 def _prompts(v: Any) -> list[Prompt]:
@@ -367,8 +646,89 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     prompts = _prompts(body["prompt"])
     echo = _bool(body, "echo")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    keep = sampling.get("truncate_prompt_tokens")
+    if keep is not None and keep > 0:
+        # token-id prompts are cut here already, so the router's context check sees them
+        # as the worker will
+        for p in prompts:
+            if p.token_ids is not None:
+                p.token_ids = p.token_ids[-keep:]
     return GenerationRequest(
         prompts=prompts, echo=echo, logprobs=logprobs, sampling=sampling, **fields
     )
+
+
+# --------------------------------------------------------------------------- /tokenize
+
+
+@dataclass
+class TokenizeRequest:
+    """vLLM's /tokenize body: a completion prompt (text) or a chat conversation."""
+
+    model: str | None
+    prompt: Prompt
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+_TOKENIZE_TEXT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template_kwargs",
+    "return_token_strs",
+}
+_TOKENIZE_UNSUPPORTED = {
+    "tools": "tools are not supported",
+    "chat_template": "a per-request chat_template is not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "media_io_kwargs": "multimodal inputs are not supported",
+}
+
+
+def _only_fields(body: dict, allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in _TOKENIZE_UNSUPPORTED:
+            if value in (None, [], {}, ""):
+                continue
+            raise bad_request(_TOKENIZE_UNSUPPORTED[name], name)
+        raise bad_request(f"unknown field '{name}'", name)
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    _check_unicode(body)
+    if "messages" in body:
+        _only_fields(body, _TOKENIZE_CHAT_FIELDS)
+        prompt = _chat_prompt(body)
+        special_default = False  # the chat template writes the special tokens
+    else:
+        _only_fields(body, _TOKENIZE_TEXT_FIELDS)
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
+        prompt = Prompt(text=text)
+        special_default = True
+    return TokenizeRequest(
+        model=_str(body, "model"),
+        prompt=prompt,
+        add_special_tokens=_bool(body, "add_special_tokens", default=special_default),
+        return_token_strs=_bool(body, "return_token_strs"),
+    )
+
+
+def parse_detokenize_request(body: Any) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize body -> (model, token ids)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    _only_fields(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    return _str(body, "model"), _token_list(tokens, "tokens") if tokens else []

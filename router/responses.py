@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdpb.v1 import common_pb2
 from router.protocol import GenerationRequest
+from router.reasoning import ReasoningParser, ReasoningStream
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -35,16 +36,33 @@ class ChoiceState:
     prompt_text: str | None = None
     started: bool = False
     text_offset: int = 0  # completions logprobs: characters so far
+    # first response: pdpb TokenLogprob per prompt token (the first has rank 0: no
+    # logprob) when prompt logprobs were asked for, and the prompt's length
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_tokens: int = 0
+    reasoning: ReasoningStream | None = None  # chat with a reasoning parser
 
 
 class ResponseBuilder:
-    def __init__(self, req: GenerationRequest, request_id: str, model: str):
+    def __init__(
+        self,
+        req: GenerationRequest,
+        request_id: str,
+        model: str,
+        reasoning_parser: ReasoningParser | None = None,
+    ):
         self.req = req
         self.model = model
         self.created = int(time.time())
         self.chat = req.kind == "chat"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.states = [ChoiceState(i) for i in range(req.num_choices)]
+        # vLLM parses reasoning in chat completions only
+        self.parser = reasoning_parser if self.chat else None
+        if self.parser is not None:
+            self.thinking = self.parser.thinking(req.prompts[0].chat_template_kwargs)
+            for s in self.states:
+                s.reasoning = ReasoningStream(self.thinking)
 
     # ----------------------------------------------------------------- accumulation
 
@@ -58,7 +76,11 @@ class ResponseBuilder:
             prompt = self.req.prompts[index // self.req.n]
             s.prompt_text = prompt.text if prompt.text is not None else resp.prompt_text
             text = s.prompt_text + text
-            s.text_offset = len(s.prompt_text)
+            # echo + logprobs: offsets count from the first prompt token
+            s.text_offset = 0 if self.req.logprobs is not None else len(s.prompt_text)
+        if first:
+            s.prompt_logprobs = list(resp.prompt_logprobs)
+            s.prompt_tokens = len(resp.prompt_token_ids) or len(resp.prompt_logprobs)
         s.text.append(text)
         s.token_ids.extend(resp.token_ids)
         s.logprobs.extend(resp.logprobs)
@@ -90,11 +112,19 @@ class ResponseBuilder:
             ]
         }
 
-    def _completion_logprobs(self, s: ChoiceState, lps) -> dict | None:
+    def _completion_logprobs(self, s: ChoiceState, lps, prompt=()) -> dict | None:
+        """OpenAI's completions logprobs; `prompt` (echo): the prompt tokens first, the
+        very first with null logprob and top_logprobs."""
         if self.req.logprobs is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
+        if prompt:
+            out["tokens"].append(prompt[0].token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(s.text_offset)
+            s.text_offset += len(prompt[0].token)
+        for lp in [*prompt[1:], *lps]:
             top = {t.token: _lp(t.logprob) for t in list(lp.top)[: self.req.logprobs]}
             top.setdefault(lp.token, _lp(lp.logprob))
             out["tokens"].append(lp.token)
@@ -123,6 +153,40 @@ class ResponseBuilder:
 
     # ----------------------------------------------------------------- streaming
 
+    def _prompt_logprobs(self, s: ChoiceState) -> list | None:
+        """vLLM's prompt_logprobs: null for the first prompt token, then per token
+        {token id: {logprob, rank, decoded_token}} for the token and the top-n."""
+        n = self.req.prompt_logprobs
+        if n is None:
+            return None
+        out: list = [None]
+        for lp in s.prompt_logprobs[1:]:
+            entry = {
+                str(t.token_id): {"logprob": _lp(t.logprob), "rank": r, "decoded_token": t.token}
+                for r, t in enumerate(list(lp.top)[:n], 1)
+            }
+            entry[str(lp.token_id)] = {
+                "logprob": _lp(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.token,
+            }
+            out.append(entry)
+        return out
+
+    def usage_so_far(self) -> dict:
+        """stream_options.continuous_usage_stats: the usage up to this chunk."""
+        n = self.req.n
+        prompt = sum(
+            max((s.prompt_tokens for s in self.states[p * n : (p + 1) * n]), default=0)
+            for p in range(len(self.req.prompts))
+        )
+        completion = sum(len(s.token_ids) for s in self.states)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {
             "id": self.id,
@@ -132,7 +196,7 @@ class ResponseBuilder:
             "choices": choices,
         }
         if self.req.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage_so_far() if self.req.continuous_usage else None
         return chunk
 
     def chunks(self, index: int, resp) -> list[dict]:
@@ -148,11 +212,12 @@ class ResponseBuilder:
                         [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]
                     )
                 )
-            if not (text or resp.logprobs or finish):
+            delta = self._delta(s, text, finish)
+            if not (delta or resp.logprobs or finish):
                 return out
             choice = {
                 "index": index,
-                "delta": {"content": text} if text or resp.logprobs else {},
+                "delta": delta or ({"content": ""} if resp.logprobs else {}),
                 "logprobs": self._chat_logprobs(resp.logprobs),
                 "finish_reason": finish,
             }
@@ -162,13 +227,31 @@ class ResponseBuilder:
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": self._completion_logprobs(s, resp.logprobs),
+                "logprobs": self._completion_logprobs(
+                    s, resp.logprobs, s.prompt_logprobs if first and self.req.echo else ()
+                ),
                 "finish_reason": finish,
             }
         if finish:
             choice["stop_reason"] = s.stop_reason
         out.append(self._chunk([choice]))
         return out
+
+    def _delta(self, s: ChoiceState, text: str, finish: str | None) -> dict:
+        if s.reasoning is None:
+            return {"content": text} if text else {}
+        reasoning, content = s.reasoning.feed(text)
+        if finish:
+            r, c = s.reasoning.finish()
+            reasoning, content = reasoning + r, content + c
+        delta = {}
+        if reasoning:
+            # `reasoning` is vLLM's current name, `reasoning_content` the one clients
+            # written for DeepSeek and older vLLM read; vLLM sends both
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
 
     def usage_chunk(self) -> dict:
         chunk = self._chunk([])
@@ -182,22 +265,33 @@ class ResponseBuilder:
         for s in self.states:
             text = "".join(s.text)
             if self.chat:
+                message = {"role": "assistant", "content": text}
+                if self.parser is not None:
+                    reasoning, content = self.parser.split(text, self.thinking)
+                    message.update(
+                        content=content, reasoning=reasoning, reasoning_content=reasoning
+                    )
                 choice = {
                     "index": s.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(s.logprobs),
                 }
             else:
-                s.text_offset = len(s.prompt_text or "")
+                echo_lps = self.req.echo and self.req.logprobs is not None
+                s.text_offset = 0 if echo_lps else len(s.prompt_text or "")
                 choice = {
                     "index": s.index,
                     "text": text,
-                    "logprobs": self._completion_logprobs(s, s.logprobs),
+                    "logprobs": self._completion_logprobs(
+                        s, s.logprobs, s.prompt_logprobs if self.req.echo else ()
+                    ),
                 }
+                if self.req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(s)
             choice["finish_reason"] = s.finish_reason
             choice["stop_reason"] = s.stop_reason
             choices.append(choice)
-        return {
+        body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -205,3 +299,6 @@ class ResponseBuilder:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.chat and self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(self.states[0])  # vLLM: top level
+        return body

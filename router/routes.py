@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 
+import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdpb.v1 import decode_pb2
 from router import sse
-from router.errors import APIError, bad_request, overloaded, unavailable
-from router.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from router.errors import RETRYABLE, APIError, bad_request, from_grpc, overloaded, unavailable
+from router.protocol import (
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
 from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG
 from router.responses import ResponseBuilder
 from router.state import STATE, RouterState
@@ -67,6 +76,8 @@ def check_context(state: RouterState, req: GenerationRequest, worker_model: str 
         if p.token_ids is None:
             continue
         n, m = len(p.token_ids), req.max_tokens or 0
+        if req.sampling.get("truncate_prompt_tokens") == -1:  # the worker keeps the last limit
+            n = min(n, limit)
         if n >= limit or n + m > limit:
             raise APIError(
                 400,
@@ -99,22 +110,29 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
         )
     state.metrics.inflight.inc()
     started = time.monotonic()
-    builder = ResponseBuilder(req, request[REQUEST_ID], model)
+    builder = ResponseBuilder(req, request[REQUEST_ID], model, state.reasoning_parser)
     try:
-        async with state.dispatcher.run(req, request[REQUEST_ID], log, worker_model) as run:
+        async with state.dispatcher.run(
+            req, request[REQUEST_ID], log, worker_model, model_name=model
+        ) as run:
             if req.stream:
                 resp = await _stream(request, run, builder)
             else:
                 resp = await _complete(run, builder)
         usage = builder.usage()
         log.info(
-            "%s done: model=%s workers=%s prompt_tokens=%d completion_tokens=%d e2e=%.3fs",
+            "%s done: model=%s workers=%s prompt_tokens=%d completion_tokens=%d e2e=%.3fs%s",
             request.path,
             model,
             ",".join(run.pairs[i] for i in sorted(run.pairs)),
             usage["prompt_tokens"],
             usage["completion_tokens"],
             time.monotonic() - started,
+            "".join(
+                f" {k}={v!r}"
+                for k, v in (("user", req.user), ("safety_identifier", req.safety_identifier))
+                if v
+            ),
         )
         return resp
     except asyncio.CancelledError:
@@ -167,26 +185,91 @@ async def _stream(request: web.Request, run, builder: ResponseBuilder) -> web.St
     return resp
 
 
+def _model_card(state: RouterState, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "max_model_len": state.registry.max_model_len(
+            None if state.config.served_model_name else name
+        ),
+    }
+
+
+def _model_names(state: RouterState) -> list[str]:
+    served = state.config.served_model_name
+    return [served] if served else state.registry.models()
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    names = (
-        [state.config.served_model_name]
-        if state.config.served_model_name
-        else state.registry.models()
-    )
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "max_model_len": state.registry.max_model_len(
-                None if state.config.served_model_name else name
-            ),
-        }
-        for name in names
-    ]
+    data = [_model_card(state, name) for name in _model_names(state)]
     return web.json_response({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: OpenAI's retrieve-model (the client's models.retrieve)."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in _model_names(state):
+        raise _no_model(name)
+    return web.json_response(_model_card(state, name))
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        v = importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH
+        v = "unknown"
+    return web.json_response({"version": v})
+
+
+async def _tokenizer_call(state: RouterState, model: str | None, method: str, pb):
+    """A decode worker's Tokenize / Detokenize (the router holds no tokenizer); another
+    worker of the model is tried when one is unavailable."""
+    _, worker_model = resolve_model(state, model)
+    error = None
+    for worker in state.registry.healthy("decode", worker_model)[: state.config.max_retries + 1]:
+        try:
+            return await getattr(worker.stub, method)(pb, timeout=state.config.health_timeout * 5)
+        except grpc.aio.AioRpcError as e:
+            error = from_grpc(e.code(), e.details(), state.config.retry_after)
+            if e.code() not in RETRYABLE:
+                break
+            state.registry.kick()
+    raise error or unavailable("no healthy decode worker is available")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt or chat messages -> token ids."""
+    state = request.app[STATE]
+    req = parse_tokenize_request(await read_json(request, state.config.max_body_bytes))
+    pb = decode_pb2.TokenizeRequest(
+        add_special_tokens=req.add_special_tokens, return_token_strs=req.return_token_strs
+    )
+    if req.prompt.messages is not None:
+        pb.chat.CopyFrom(req.prompt.conversation_pb())
+    else:
+        pb.text = req.prompt.text
+    resp = await _tokenizer_call(state, req.model, "Tokenize", pb)
+    model, worker_model = resolve_model(state, req.model)
+    body = {
+        "count": len(resp.token_ids),
+        "max_model_len": state.registry.max_model_len(worker_model),
+        "tokens": list(resp.token_ids),
+        "token_strs": list(resp.token_strs) if req.return_token_strs else None,
+    }
+    return web.json_response(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: token ids -> text."""
+    state = request.app[STATE]
+    model, ids = parse_detokenize_request(await read_json(request, state.config.max_body_bytes))
+    pb = decode_pb2.DetokenizeRequest(token_ids=ids)
+    resp = await _tokenizer_call(state, model, "Detokenize", pb)
+    return web.json_response({"prompt": resp.text})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -214,6 +297,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -10,6 +10,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.limits import ConcurrencyLimit
 from router.metrics import RouterMetrics
+from router.reasoning import ReasoningParser, make_reasoning_parser
 from router.registry import WorkerRegistry
 
 
@@ -20,6 +21,7 @@ class RouterState:
     metrics: RouterMetrics
     dispatcher: Dispatcher
     limit: ConcurrencyLimit
+    reasoning_parser: ReasoningParser | None = None
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterState:
@@ -31,6 +33,9 @@ class RouterState:
             metrics=metrics,
             dispatcher=Dispatcher(registry, metrics),
             limit=ConcurrencyLimit(config.max_concurrent_requests),
+            reasoning_parser=(
+                make_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+            ),
         )
 
 

@@ -35,9 +35,15 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         "repetition_penalty",
         "logprobs",
         "skip_special_tokens",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
     ):
         if pb.HasField(name):
             kwargs[name] = getattr(pb, name)
+    kwargs["logit_bias"] = dict(pb.logit_bias)
+    kwargs["bad_words"] = list(pb.bad_words)
+    if pb.HasField("allowed_token_ids"):
+        kwargs["allowed_token_ids"] = list(pb.allowed_token_ids.ids)
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # unset: until the context is full or a stop
     return SamplingParams(**kwargs)
@@ -61,6 +67,14 @@ def logprob_to_pb(
             for tid, lp in top
         ],
     )
+
+
+def prompt_logprobs_to_pb(
+    prompt_ids: list[int], entries: list, num_top: int
+) -> list[common_pb2.TokenLogprob]:
+    """RequestOutput.prompt_logprobs ([None, {token id: Logprob}, ...]) -> pb, one per
+    prompt token after the first."""
+    return [logprob_to_pb(t, e, num_top) for t, e in zip(prompt_ids[1:], entries[1:])]
 
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob, num_top: int):

@@ -1,4 +1,11 @@
-"""Prometheus metrics of one worker, on a registry the worker owns (no globals)."""
+"""Prometheus metrics of one worker, on a registry the worker owns (no globals).
+
+Besides the pdserve_ metrics, the engine-side gauges of vLLM's names
+(vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
+labelled model_name) are exported here, so dashboards and autoscaling rules written
+for vLLM read the workers unchanged. The per-request ones (tokens, latencies,
+request_success) are the router's: it sees each request once, where a disaggregated
+request passes through two workers."""
 
 from __future__ import annotations
 
@@ -6,9 +13,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 
 class WorkerMetrics:
-    def __init__(self, role: str):
+    def __init__(self, role: str, model_name: str = ""):
         self.registry = CollectorRegistry()
         labels = {"role": role}
+        vllm = {"labelnames": ["model_name"], "registry": self.registry}
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests running on the engine", **vllm
+        ).labels(model_name)
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", **vllm
+        ).labels(model_name)
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage, 1 = all blocks in use", **vllm
+        ).labels(model_name)
         self.requests = Counter(
             "pdserve_worker_requests", "Requests by outcome", ["outcome"], registry=self.registry
         )
@@ -59,6 +76,11 @@ class WorkerMetrics:
         self.waiting.set(stats["num_waiting"])
         self.free_blocks.set(stats["num_free_blocks"])
         self.total_blocks.set(stats["num_total_blocks"])
+        self.vllm_running.set(stats["num_running"])
+        self.vllm_waiting.set(stats["num_waiting"])
+        total = stats["num_total_blocks"]
+        # free blocks include prefix-cached ones that can be evicted, as vLLM counts them
+        self.vllm_kv_usage.set(1.0 - stats["num_free_blocks"] / total if total else 0.0)
 
     def serve(self, host: str, port: int):
         """Start the /metrics HTTP endpoint; returns (server, thread)."""

@@ -21,6 +21,8 @@ from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
 from services.common.settings import TRANSFER_WRITE_MODES, WorkerSettings
 from services.engine import EngineConfig, LLMEngine
+from services.engine.startup import StartupPhases
+from services.engine.warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +34,40 @@ class WorkerContext:
         self.role = role
         self.engine_config = engine_config
         self.settings = settings
-        self.metrics = WorkerMetrics(role)
+        self.metrics = WorkerMetrics(role, model_name=engine_config.model)
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.connector: KVConnector | None = None
         self.ready = asyncio.Event()
+        self.phases = StartupPhases()
+        self.warmup: WarmupReport | None = None
 
     def load(self) -> None:
-        """Blocking: load the model and register the KV cache with the transfer engine."""
-        engine = LLMEngine(self.engine_config)
-        kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
+        """Blocking: load the model, warm it up and register the KV cache with the
+        transfer engine. Each phase logs its duration."""
+        engine = LLMEngine(self.engine_config, self.phases)
         s = self.settings
-        connector = create_connector(
-            s.transfer_backend,
-            memory_location=memory_location(kv),
-            hostname=s.transfer_hostname,
-            protocol=s.transfer_protocol,
-            metadata=s.transfer_metadata,
-            device_name=s.transfer_device,
-            direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
-            faults=s.transfer_faults,
-        )
-        register_kv_cache(connector, kv, spec)
+        if s.skip_warmup:
+            log.warning(
+                "warm-up skipped (--skip-warmup): the first requests of each batch shape "
+                "will compile kernels on the serving path"
+            )
+        else:
+            with self.phases.phase("warmup"):
+                self.warmup = warm_up(engine)
+        kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
+        with self.phases.phase("kv_transfer_registration"):
+            connector = create_connector(
+                s.transfer_backend,
+                memory_location=memory_location(kv),
+                hostname=s.transfer_hostname,
+                protocol=s.transfer_protocol,
+                metadata=s.transfer_metadata,
+                device_name=s.transfer_device,
+                direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
+                faults=s.transfer_faults,
+            )
+            register_kv_cache(connector, kv, spec)
         log.info("KV transfer: %r", connector)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
@@ -105,7 +119,19 @@ async def serve(
             ctx.ready.set()
             for name in ["", *service_names]:
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            _announce("ready", role, settings.host, port, metrics_port)
+            log.info("%s worker ready: %s", role, ctx.phases.summary())
+            _announce(
+                "ready",
+                role,
+                settings.host,
+                port,
+                metrics_port,
+                startup=dict(
+                    phases={k: round(v, 3) for k, v in ctx.phases.durations.items()},
+                    total_s=round(ctx.phases.total_s, 3),
+                    warmup=ctx.warmup.summary() if ctx.warmup is not None else None,
+                ),
+            )
             await stop.wait()
     finally:
         log.info("%s worker stopping: draining for up to %.0fs", role, settings.drain_timeout_s)
@@ -116,9 +142,12 @@ async def serve(
         ctx.close()
 
 
-def _announce(event: str, role: str, host: str, port: int, metrics_port: int | None) -> None:
+def _announce(
+    event: str, role: str, host: str, port: int, metrics_port: int | None, **extra
+) -> None:
     # One machine-readable line per event, so scripts and tests can find the ports.
     line = {"event": event, "role": role, "address": f"{host}:{port}", "metrics_port": metrics_port}
+    line.update(extra)
     print("PDSERVE " + json.dumps(line), flush=True)
     sys.stdout.flush()
 

@@ -36,6 +36,9 @@ class WorkerSettings:
     reserve_timeout_s: float = 30.0  # how long a request may wait for free KV blocks
     # shutdown
     drain_timeout_s: float = 30.0
+    # start-up: skip the warm-up (services/engine/warmup.py) before SERVING; the first
+    # request of each batch shape then compiles kernels on the serving path (logged)
+    skip_warmup: bool = False
     # Fault injection for tests only (env PDSERVE_FAULT_PAUSE_MID_TRANSFER_S): the prefill
     # worker writes half of a request's blocks, pauses this long, then writes the rest.
     fault_pause_mid_transfer_s: float = 0.0

@@ -133,7 +133,13 @@ class RemotePrefill:
         first_lp = None
         if params.logprobs is not None and resp.HasField("first_logprob"):
             first_lp = convert.logprob_from_pb(resp.first_logprob, params.logprobs)
-        out = await loop.call(lambda: engine.admit_remote(key, resp.first_token_id, first_lp))
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            n = params.prompt_logprobs
+            prompt_lps = [convert.logprob_from_pb(lp, n) for lp in resp.prompt_logprobs]
+        out = await loop.call(
+            lambda: engine.admit_remote(key, resp.first_token_id, first_lp, prompt_lps)
+        )
         loop.publish(out)
         return timings
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import uuid
 
@@ -20,6 +21,26 @@ from services.decode.remote_prefill import PrefillPeers, PrefillTimings, RemoteP
 from services.engine import RequestOutput, apply_chat_template
 
 log = logging.getLogger(__name__)
+
+
+def _chat_ids(tokenizer, chat, add_special_tokens: bool = False) -> list[int]:
+    """A pdpb Conversation through the chat template, with its options."""
+    kwargs = {}
+    if chat.chat_template_kwargs_json:
+        kwargs = json.loads(chat.chat_template_kwargs_json)
+        if not isinstance(kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a JSON object")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    return apply_chat_template(
+        tokenizer,
+        messages,
+        add_special_tokens=add_special_tokens,
+        template_kwargs=kwargs,
+        add_generation_prompt=(
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=chat.continue_final_message,
+    )
 
 
 class ActiveRequests:
@@ -79,7 +100,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if not rid:
             raise ValueError("request_id is required")
         params = convert.sampling_params_from_pb(request.sampling_params)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = engine.truncate(self._prompt_ids(request), params)
         engine.validate(prompt_ids, params, fit_max_tokens=True)
         key = self.active.claim(rid)
         stream = loop.open_stream(key)
@@ -116,6 +137,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             resp = self._response(rid, out, sent_tokens, sent_chars, params)
             if sent_tokens == 0 and request.return_prompt:
                 self._add_prompt(resp, request, prompt_ids)
+            if sent_tokens == 0 and out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(resp, prompt_ids, out, params)
             sent_tokens = len(out.output.token_ids)
             sent_chars += len(resp.text)
             if out.finished:
@@ -142,9 +165,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if kind == "text":
             return engine.tokenize(request.text)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return apply_chat_template(engine.tokenizer, messages)
+            return _chat_ids(engine.tokenizer, request.chat)
         raise ValueError("a prompt (text, token_ids or chat) is required")
+
+    async def Tokenize(self, request, context):
+        tokenizer = self.ctx.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        elif kind == "chat":
+            ids = _chat_ids(tokenizer, request.chat, request.add_special_tokens)
+        else:
+            raise ValueError("a prompt (text or chat) is required")
+        resp = decode_pb2.TokenizeResponse(token_ids=ids)
+        if request.return_token_strs:
+            resp.token_strs.extend(tokenizer.convert_ids_to_tokens(list(ids)))
+        return resp
+
+    async def Detokenize(self, request, context):
+        engine = self.ctx.engine
+        if engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        ids = engine.tokenize(list(request.token_ids))  # range-checks the ids
+        return decode_pb2.DetokenizeResponse(text=engine.tokenizer.decode(ids))
 
     def _add_prompt(self, resp, request, prompt_ids) -> None:
         resp.prompt_token_ids.extend(prompt_ids)
@@ -152,6 +197,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             resp.prompt_text = request.text
         elif self.ctx.engine.tokenizer is not None:
             resp.prompt_text = self.ctx.engine.tokenizer.decode(prompt_ids)
+
+    def _add_prompt_logprobs(self, resp, prompt_ids, out: RequestOutput, params) -> None:
+        # the first prompt token has no logprob (rank 0); its text is still needed (echo)
+        first = self.ctx.engine.decode_token(prompt_ids[0]) or ""
+        resp.prompt_logprobs.append(
+            common_pb2.TokenLogprob(token_id=prompt_ids[0], rank=0, token=first)
+        )
+        resp.prompt_logprobs.extend(
+            convert.prompt_logprobs_to_pb(prompt_ids, out.prompt_logprobs, params.prompt_logprobs)
+        )
 
     def _response(self, rid, out: RequestOutput, sent_tokens: int, sent_chars: int, params):
         completion = out.output

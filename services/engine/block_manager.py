@@ -62,7 +62,7 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq's tokens. At least one
         token is always left uncached so the model has something to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs

@@ -28,7 +28,7 @@ class EngineConfig:
     # scale per output channel, dynamic per-token activation scales); FP8 checkpoints
     # need nothing (their config.json says so)
     quantization: str | None = None
-    kernel_backend: str = "auto"  # torch on CPU, tuned on GPU (with triton installed)
+    kernel_backend: str = "auto"  # tuned (torch without triton on a GPU)
     # overrides of the tuner's picks, "op[.class]=candidate,..." (tuned backend only)
     kernel_choices: str | None = None
     block_size: int = 16
@@ -97,7 +97,7 @@ class EngineConfig:
         if self.kernel_backend != "auto":
             return self.kernel_backend
         if self.device == "cpu":
-            return "torch"
+            return "tuned"  # the CPU's own candidates, measured (kernels/tuner.py)
         try:
             import triton  # noqa: F401
         except ImportError:

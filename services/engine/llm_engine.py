@@ -24,11 +24,13 @@ from services.engine.sampler import (
     DeviceTokens,
     SamplerOutput,
     SamplingRequest,
+    logits_bias_row,
     samples_on_device,
 )
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
+from services.engine.startup import StartupPhases
 from services.models.loader import check_supported, load_hf_config, resolve_model_path
 from services.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -62,10 +64,15 @@ class _Request:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     stop_token_ids: list[int]
+    logits_bias: torch.Tensor | None = None  # see SamplingRequest
+    bad_word_seqs: list[list[int]] | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, phases: StartupPhases | None = None):
+        """phases: where the start-up phases (kernel tuning, weights, KV cache, graph
+        capture) record and log their durations."""
+        phases = phases or StartupPhases()
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
@@ -76,7 +83,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or model_max
         check_supported(self.hf_config, max_model_len, config.quantization)
         self.runner = ModelRunner(
-            config, self.hf_config, self.model_path, max(max_model_len, model_max)
+            config, self.hf_config, self.model_path, max(max_model_len, model_max), phases
         )
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         capacity = num_blocks * config.block_size
@@ -88,8 +95,10 @@ class LLMEngine:
                 f"({num_blocks} blocks x {config.block_size} = {capacity} tokens)"
             )
         self.max_model_len = max_model_len
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs(self.max_model_len)
+        with phases.phase("kv_cache"):
+            self.runner.allocate_kv_cache(num_blocks)
+        with phases.phase("cuda_graphs"):
+            self.runner.capture_cuda_graphs(self.max_model_len)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -115,6 +124,14 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab})")
         return ids
 
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last truncate_prompt_tokens prompt tokens (-1: the last max_model_len)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt_token_ids[-keep:]
+
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, *, fit_max_tokens: bool = False
     ) -> None:
@@ -124,6 +141,16 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none")
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
@@ -142,7 +169,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.tokenize(prompt), params)
         self.validate(ids, params)
         seq = Sequence(request_id, ids, params)
         self._register(seq)
@@ -159,9 +186,27 @@ class LLMEngine:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.eos_token_ids
+        words = self._bad_word_token_ids(params.bad_words)
+        banned = [w[0] for w in words if len(w) == 1]
         self.requests[seq.seq_id] = _Request(
-            seq, IncrementalDetokenizer(self.tokenizer, params), generator, stop_ids
+            seq,
+            IncrementalDetokenizer(self.tokenizer, params),
+            generator,
+            stop_ids,
+            logits_bias_row(params, banned, self.hf_config.vocab_size, self.runner.device),
+            [w for w in words if len(w) > 1] or None,
         )
+
+    def _bad_word_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, as vLLM finds them: the word alone and after a space
+        (mid-sentence spelling), both banned."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -201,9 +246,13 @@ class LLMEngine:
         to_sample = [s for s in sched.scheduled if s.completes_prefill]
         sampling = [self._sampling_request(s.seq) for s in to_sample]
         result = self.runner.execute(sched.scheduled, sampling)
+        if result is not None:
+            for item in sched.scheduled:
+                for token, lp in result.prompt_logprobs.get(item.seq.seq_id, ()):
+                    item.seq.prompt_logprobs.append(self._logprob_entry(token, lp))
         for item in sched.scheduled:
             self.scheduler.postprocess(item.seq, item.num_new_tokens, item.seq.num_tokens)
-        return self._process_samples(to_sample, result) if result else []
+        return self._process_samples(to_sample, result) if result and result.token_ids else []
 
     # -- async scheduling ---------------------------------------------------------------
 
@@ -219,8 +268,13 @@ class LLMEngine:
         )
 
     def _sampled_on_device(self, seq: Sequence, pending: int) -> bool:
-        stop_ids = self.requests[seq.seq_id].stop_token_ids
-        return samples_on_device(seq.params, seq.num_output_tokens + pending, bool(stop_ids))
+        req = self.requests[seq.seq_id]
+        return samples_on_device(
+            seq.params,
+            seq.num_output_tokens + pending,
+            bool(req.stop_token_ids),
+            bool(req.bad_word_seqs),
+        )
 
     def _launch(self, seqs: list[Sequence], prev: _StepInFlight | None = None) -> _StepInFlight:
         sampling = [self._sampling_request(seq) for seq in seqs]
@@ -272,7 +326,13 @@ class LLMEngine:
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         req = self.requests[seq.seq_id]
         return SamplingRequest(
-            seq.params, seq.token_ids, seq.num_prompt_tokens, req.stop_token_ids, req.generator
+            seq.params,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            req.stop_token_ids,
+            req.generator,
+            req.logits_bias,
+            req.bad_word_seqs,
         )
 
     def _process_samples(
@@ -293,12 +353,16 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, lp) -> None:
         seq.token_ids.append(token)
         if lp is not None:
-            chosen, rank, top = lp
-            entry = {
-                tid: Logprob(val, r + 1, self._decode_one(tid)) for r, (tid, val) in enumerate(top)
-            }
-            entry[token] = Logprob(chosen, rank, self._decode_one(token))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(token, lp))
+
+    def _logprob_entry(self, token: int, lp) -> dict[int, Logprob]:
+        """(logprob, rank, [(token id, logprob)] top-n) -> {token id: Logprob}."""
+        chosen, rank, top = lp
+        entry = {
+            tid: Logprob(val, r + 1, self.decode_token(tid)) for r, (tid, val) in enumerate(top)
+        }
+        entry[token] = Logprob(chosen, rank, self.decode_token(token))
+        return entry
 
     def _append_and_check(self, seq: Sequence, token: int, lp) -> RequestOutput:
         self._append_token(seq, token, lp)
@@ -338,11 +402,19 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+        prompt_lps = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_lps = [None, *seq.prompt_logprobs]  # vLLM's shape: the first has none
         return RequestOutput(
-            seq.seq_id, seq.prompt_token_ids, [completion], finished, seq.num_cached_tokens
+            seq.seq_id,
+            seq.prompt_token_ids,
+            [completion],
+            finished,
+            seq.num_cached_tokens,
+            prompt_lps,
         )
 
-    def _decode_one(self, token_id: int) -> str | None:
+    def decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     # -- prefill role -------------------------------------------------------------------
@@ -367,7 +439,7 @@ class LLMEngine:
         Blocks covering the first num_cached_tokens are local prefix-cache hits."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt_token_ids)
+        ids = self.truncate(self.tokenize(prompt_token_ids), params)
         self.validate(ids, params)
         seq = Sequence(request_id, ids, params)
         if not self.scheduler.reserve(seq):
@@ -379,13 +451,24 @@ class LLMEngine:
         self._register(seq)
         return KVReservation(list(seq.block_table), seq.num_cached_tokens)
 
-    def admit_remote(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
+    def admit_remote(
+        self, request_id: str, first_token: int, first_logprob=None, prompt_logprobs=None
+    ) -> RequestOutput:
         """The KV for the whole prompt is in place: start decoding after first_token.
-        first_logprob is (logprob, rank, [(token id, logprob)]) as the sampler makes it."""
+        first_logprob is (logprob, rank, [(token id, logprob)]) as the sampler makes it;
+        prompt_logprobs one such entry per prompt token after the first (computed where
+        the prompt was prefilled)."""
         req = self.requests.get(request_id)
         if req is None or req.seq.status != SequenceStatus.AWAITING_KV:
             raise ValueError(f"request {request_id!r} has no KV reservation")
         seq = req.seq
+        if seq.params.prompt_logprobs is not None:
+            if prompt_logprobs is None or len(prompt_logprobs) != seq.num_prompt_tokens - 1:
+                raise ValueError(f"request {request_id!r}: prompt logprobs missing")
+            seq.prompt_logprobs = [
+                self._logprob_entry(t, lp)
+                for t, lp in zip(seq.prompt_token_ids[1:], prompt_logprobs)
+            ]
         self.scheduler.admit_remote(seq)
         return self._append_and_check(seq, first_token, first_logprob)
 

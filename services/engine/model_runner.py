@@ -16,8 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
-from services.engine.sampler import DeviceTokens, Sampler, SamplerOutput, SamplingRequest
+from services.engine.sampler import (
+    DeviceTokens,
+    Sampler,
+    SamplerOutput,
+    SamplingRequest,
+    prompt_logprobs,
+)
 from services.engine.scheduler import ScheduledSeq
+from services.engine.startup import StartupPhases
 from services.kernels import AttentionMetadata, get_backend
 from services.kernels.interface import FP8_KV_DTYPE
 from services.kernels.shape_classes import KernelShapes, weight_quant_tag
@@ -63,7 +70,8 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
 
 
 class ModelRunner:
-    def __init__(self, config, hf_config, model_path, max_model_len: int):
+    def __init__(self, config, hf_config, model_path, max_model_len: int, phases=None):
+        phases = phases or StartupPhases()
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
@@ -76,18 +84,20 @@ class ModelRunner:
         if backend == "tuned":  # the tuner measures at this model's shapes
             shapes = kernel_shapes(config, hf_config)
             tuning = dict(shapes=shapes, device=self.device, choices=config.kernel_choices)
-        self.ops = get_backend(backend, **tuning)
-        self.model = load_model(
-            hf_config,
-            model_path,
-            self.ops,
-            dtype=self.dtype,
-            device=self.device,
-            max_position=max_model_len,
-            load_format=config.load_format,
-            seed=config.seed,
-            quantization=config.quantization,
-        )
+        with phases.phase("kernel_tuning" if backend == "tuned" else "kernel_backend"):
+            self.ops = get_backend(backend, **tuning)
+        with phases.phase("weights"):
+            self.model = load_model(
+                hf_config,
+                model_path,
+                self.ops,
+                dtype=self.dtype,
+                device=self.device,
+                max_position=max_model_len,
+                load_format=config.load_format,
+                seed=config.seed,
+                quantization=config.quantization,
+            )
         attn = self.model.attention_layers()[0]
         k_scales, v_scales = self._kv_scales()
         self.kv_spec = KVCacheSpec(
@@ -176,11 +186,35 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(batch)
         self.ops.prepare_attention(meta)
         hidden = self.model(input_ids, positions, meta)
+        prompt_lps = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
         if not logits_rows:
-            return None
+            return SamplerOutput([], [], prompt_lps) if prompt_lps else None
         rows = torch.tensor(logits_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        return self.sampler(logits, sampling)
+        out = self.sampler(logits, sampling)
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    def _prompt_logprobs(self, batch, hidden, cu_seqlens) -> dict[str, list]:
+        """For each sequence that asks for prompt logprobs: the logprobs of the prompt
+        tokens this chunk predicts (position p predicts token p + 1), skipping those
+        already collected (a recompute after preemption). Every chunk contributes."""
+        out = {}
+        for item, row0 in zip(batch, cu_seqlens):
+            seq = item.seq
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # first target token
+            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if first > last:
+                continue
+            rows = hidden[row0 + first - 1 - start : row0 + last - start]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = seq.token_ids[first : last + 1]
+            entries = prompt_logprobs(logprobs, targets, seq.params.prompt_logprobs)
+            out[seq.seq_id] = list(zip(targets, entries))
+        return out
 
     def _graph_eligible(self, batch: list[ScheduledSeq]) -> bool:
         g = self.graph_runner

@@ -24,6 +24,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one
+    # {token id: Logprob} per prompt token (the token itself plus the top-n), as vLLM
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def output(self) -> CompletionOutput:

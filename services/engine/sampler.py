@@ -1,13 +1,14 @@
 """Turns the last-position logits of a batch into next tokens (+ logprobs).
 
 Order, as in vLLM: logprobs are taken from the raw model distribution; then
-penalties, min_tokens masking, temperature, top-k, top-p and min-p shape the
-distribution that is sampled. A request with a seed owns a torch.Generator, so its
-draws reproduce regardless of what else shares the batch."""
+allowed_token_ids, bad_words and logit_bias, penalties, min_tokens masking, temperature,
+top-k, top-p and min-p shape the distribution that is sampled. A request with a seed
+owns a torch.Generator, so its draws reproduce regardless of what else shares the
+batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,12 @@ class SamplingRequest:
     num_prompt_tokens: int
     stop_token_ids: list[int]  # suppressed while fewer than min_tokens were generated
     generator: torch.Generator | None
+    # logit_bias, single-token bad_words (-inf) and allowed_token_ids (-inf elsewhere) as
+    # one float32 row on the device, built once per request: added without a host sync
+    logits_bias: torch.Tensor | None = None
+    # bad words of several tokens: their last token is banned after the others (reads
+    # the host's output tokens, like penalties)
+    bad_word_seqs: list[list[int]] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -42,6 +49,9 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: (chosen token's logprob, its rank, [(token id, logprob)] top-n), or None
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # seq id -> [(prompt token, (logprob, rank, top-n))] for the prompt tokens whose
+    # logprobs this step computed (prompt_logprobs), in prompt order
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class DeviceTokens:
@@ -72,21 +82,23 @@ class DeviceTokens:
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         if all(_plain_greedy(r) for r in requests):
-            # the common decode step: argmax of the raw logits (exact in any dtype)
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            # the common decode step: argmax of the raw (or biased) logits
+            return SamplerOutput(self.sample(logits, requests).tolist(), [None] * len(requests))
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        logits = logits.clone()
+        logits = _apply_logits_bias(logits.clone(), requests)
         for i, r in enumerate(requests):
+            if r.bad_word_seqs:
+                _ban_bad_word_ends(logits[i], r)
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
                 logits[i, r.stop_token_ids] = float("-inf")
 
-        token_ids = self.sample(logits, requests).tolist()
+        token_ids = self.sample(logits, requests, biased=True).tolist()
         logprobs = [None] * len(requests)
         if raw_logprobs is not None:
             for i, r in enumerate(requests):
@@ -94,10 +106,15 @@ class Sampler:
                     logprobs[i] = _logprobs_entry(raw_logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    def sample(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, requests: list[SamplingRequest], biased: bool = False
+    ) -> torch.Tensor:
         """Next token per row as a device tensor, without a host sync: the argmax for
-        greedy rows, a draw from the shaped distribution for the others. Penalties and
-        min_tokens masking are the caller's (__call__ applies them first)."""
+        greedy rows, a draw from the shaped distribution for the others. Each request's
+        logits_bias row is added unless `biased` (the caller did); penalties, multi-token
+        bad words and min_tokens masking are the caller's (__call__ applies them first)."""
+        if not biased:
+            logits = _apply_logits_bias(logits, requests)
         tokens = logits.argmax(dim=-1)
         for i, r in enumerate(requests):
             p = r.params
@@ -121,18 +138,59 @@ class Sampler:
 
 def _plain_greedy(r: SamplingRequest) -> bool:
     return r.params.greedy and samples_on_device(
-        r.params, r.num_output_tokens, bool(r.stop_token_ids)
+        r.params, r.num_output_tokens, bool(r.stop_token_ids), bool(r.bad_word_seqs)
     )
 
 
-def samples_on_device(p: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
-    """Sampler.sample alone gives the next token: no logprobs to report, no penalties
-    or min_tokens masking (they read the host's token lists)."""
+def samples_on_device(
+    p: SamplingParams, num_output_tokens: int, has_stop_ids: bool, has_bad_word_seqs=False
+) -> bool:
+    """Sampler.sample alone gives the next token: no logprobs to report, no penalties,
+    multi-token bad words or min_tokens masking (they read the host's token lists)."""
     return (
         p.logprobs is None
         and not p.has_penalties
+        and not has_bad_word_seqs
         and not (num_output_tokens < p.min_tokens and has_stop_ids)
     )
+
+
+def _apply_logits_bias(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+    """Adds each request's logits_bias row on the device, into a new float32 tensor (the
+    captured graph's output buffer stays untouched)."""
+    rows = [(i, r.logits_bias) for i, r in enumerate(requests) if r.logits_bias is not None]
+    if not rows:
+        return logits
+    bias = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    for i, row in rows:
+        bias[i, : row.numel()] = row  # a padded LM head's extra columns stay unbiased
+    return logits.float() + bias
+
+
+def logits_bias_row(
+    params: SamplingParams, banned: list[int], vocab_size: int, device
+) -> torch.Tensor | None:
+    """The request's logit_bias, banned tokens and allowed_token_ids as one additive
+    float32 row (built once per request; None when there is nothing to add)."""
+    if not (params.logit_bias or banned) and params.allowed_token_ids is None:
+        return None
+    row = torch.zeros(vocab_size, dtype=torch.float32)
+    if params.allowed_token_ids is not None:
+        row.fill_(float("-inf"))
+        row[params.allowed_token_ids] = 0.0
+    for t, b in params.logit_bias.items():
+        row[t] += b
+    if banned:
+        row[banned] = float("-inf")
+    return row.to(device)
+
+
+def _ban_bad_word_ends(row: torch.Tensor, r: SamplingRequest) -> None:
+    out = r.output_token_ids
+    for word in r.bad_word_seqs:
+        prefix = word[:-1]
+        if len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix:
+            row[word[-1]] = float("-inf")
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -157,6 +215,22 @@ def _apply_penalties(row: torch.Tensor, r: SamplingRequest) -> None:
     if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
         ids, counts = torch.tensor(r.output_token_ids).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+
+
+def prompt_logprobs(logprobs: torch.Tensor, token_ids: list[int], top_n: int) -> list:
+    """Rows of log-softmax and the token each row predicts -> one (logprob, rank,
+    top-n) per row, with one host copy for the whole chunk."""
+    ids = torch.tensor(token_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_vals, top_ids = torch.topk(logprobs, top_n) if top_n > 0 else (None, None)
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    tops = (
+        [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+        if top_n > 0
+        else [[] for _ in token_ids]
+    )
+    return list(zip(chosen, ranks, tops))
 
 
 def _logprobs_entry(row: torch.Tensor, token_id: int, top_n: int):

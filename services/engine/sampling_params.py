@@ -23,6 +23,12 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives per token; 0: only the chosen
     skip_special_tokens: bool = True
+    # logprobs of each prompt token after the first, with this many top alternatives
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None  # None: every token
+    truncate_prompt_tokens: int | None = None  # keep the last N; -1: max_model_len
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,10 +63,35 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        for t, b in self.logit_bias.items():
+            if t < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {t}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for {t}")
+        self.bad_words = list(self.bad_words or [])
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative token ids")
+        t = self.truncate_prompt_tokens
+        if t is not None and t != -1 and t < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {t}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_logits_mask(self) -> bool:
+        """logit_bias, bad_words or allowed_token_ids shape the logits."""
+        return bool(self.logit_bias or self.bad_words) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -39,6 +39,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # one per prompt token after the first, collected chunk by chunk
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -62,6 +64,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs requested and not all collected: every prompt position must
+        be computed, so no prefix-cache hits (vLLM recomputes too)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -41,8 +41,9 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 MOE_OPS = ("fused_moe",)
 FP8_OPS = ("fp8_linear",)
 CANDIDATES: dict[str, tuple[str, ...]] = {
-    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16
-    "linear": ("torch", "triton", "aiter"),
+    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16; cpu_slab: the
+    # CPU's per-thread weight slabs (cpu_backend.py)
+    "linear": ("torch", "triton", "aiter", "cpu_slab"),
     "paged_attention": ("torch", "triton", "aiter", "sdpa"),
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
     "silu_and_mul": ("torch", "triton"),
@@ -82,11 +83,13 @@ def all_keys(shapes: KernelShapes | None = None) -> set[str]:
     return {f"{op}.{c}" for op in ops_for(shapes) for c in OP_CLASSES[op]}
 
 
-def candidates_for(op: str, cls: str) -> tuple[str, ...]:
+def candidates_for(op: str, cls: str, graphs: bool = True) -> tuple[str, ...]:
+    """The candidates for one op and class; graphs: decode classes run as CUDA-graph
+    replays (a GPU), so only capture-safe candidates (a CPU has no graphs)."""
     names = CANDIDATES.get(op, DEFAULT_CANDIDATES)
     only = ONLY_FOR.get(op, {})
     names = tuple(n for n in names if cls in only.get(n, (cls,)))
-    if cls in GRAPH_CLASSES:
+    if graphs and cls in GRAPH_CLASSES:
         names = tuple(n for n in names if n not in NOT_GRAPH_SAFE.get(op, ()))
     return names
 

@@ -13,23 +13,6 @@ from services.kernels.interface import (
     kv_cache_is_fp8,
 )
 
-_SPLIT_MAX_ROWS = 64
-
-
-def _column_slabs(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] weight -> [parts, in, out / parts]: x @ slabs[p] is output columns
-    p * out / parts onward. One part per intra-op thread (fewer if out does not split)."""
-    out_features = weight.shape[0]
-    parts = max(1, torch.get_num_threads())
-    while out_features % parts:
-        parts -= 1
-    return (
-        weight.t()
-        .reshape(weight.shape[1], parts, out_features // parts)
-        .transpose(0, 1)
-        .contiguous()
-    )
-
 
 class TorchBackend:
     name = "torch"
@@ -39,20 +22,6 @@ class TorchBackend:
             # the reference: weights dequantized, activations quantized as the FP8
             # kernels do, fp32 matmul (a full fp32 weight per call: correct, not fast)
             return fp8_linear_reference(x, layer)
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _SPLIT_MAX_ROWS:
-            # A few rows on the CPU is a matrix-vector product, which oneDNN/MKL run on
-            # one thread at ~13 GB/s here. Cutting the weight into one column slab per
-            # thread and running them as a batched matmul puts every thread to work:
-            # SmolLM2's layers at batch 1 go from 36 to 21 ms, the LM head from 10 to
-            # 4 ms (2-core EPYC, 47 GB/s memory); it still wins at 64 rows and ties by
-            # 256, where the plain GEMM is kept. Built once per layer (a second copy of
-            # the weight; weights never change after loading).
-            slabs = layer.__dict__.get("_weight_slabs")
-            if slabs is None:
-                slabs = layer.__dict__["_weight_slabs"] = _column_slabs(layer.weight.detach())
-            out = torch.bmm(x.unsqueeze(0).expand(slabs.shape[0], -1, -1), slabs)
-            out = out.transpose(0, 1).reshape(x.shape[0], -1)
-            return out if layer.bias is None else out + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
     def rms_norm(self, x, weight, eps):
@@ -107,8 +76,11 @@ class TorchBackend:
         max_q, max_k = metadata.max_query_len, metadata.max_seq_len
 
         kv_pos = torch.arange(max_k, device=device)
-        blocks = metadata.block_tables.to(torch.int64)[:, kv_pos // bs]  # [B, max_k]
-        offsets = (kv_pos % bs).expand_as(blocks)
+        # whole blocks, gathered with index_select: indexing the strided per-layer cache
+        # view with (block, offset) pairs made torch copy the whole view first (3.4 ms
+        # against 9 us per layer and step for SmolLM2 on a CPU)
+        num_blocks = -(-max_k // bs)
+        blocks = metadata.block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
 
         q_pos = torch.arange(max_q, device=device)
         q_valid = q_pos.unsqueeze(0) < query_lens.unsqueeze(1)  # [B, max_q]
@@ -118,7 +90,7 @@ class TorchBackend:
         mask = kv_pos.view(1, 1, -1) <= q_abs.unsqueeze(-1)  # [B, max_q, max_k]
         mask &= kv_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
         mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no NaN
-        metadata.backend_data["torch"] = (blocks, offsets, q_valid, q_rows, mask.unsqueeze(1))
+        metadata.backend_data["torch"] = (blocks, max_k, q_valid, q_rows, mask.unsqueeze(1))
 
     def paged_attention(
         self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
@@ -126,13 +98,19 @@ class TorchBackend:
         fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         if "torch" not in metadata.backend_data:
             self.prepare_attention(metadata)
-        blocks, offsets, q_valid, q_rows, mask = metadata.backend_data["torch"]
-        keys = k_cache[blocks, offsets].transpose(1, 2)  # [B, Hk, max_k, D]
-        values = v_cache[blocks, offsets].transpose(1, 2)
+        blocks, max_k, q_valid, q_rows, mask = metadata.backend_data["torch"]
+        num_seqs = q_valid.shape[0]
+
+        def gather(cache):  # -> [B, Hk, max_k, D]
+            rows = cache.index_select(0, blocks)  # [B * blocks, block_size, Hk, D]
+            rows = rows.view(num_seqs, -1, cache.shape[2], cache.shape[3])[:, :max_k]
+            return rows.transpose(1, 2)
+
+        keys, values = gather(k_cache), gather(v_cache)
         if fp8:  # computed in q's dtype
             keys = dequantize_kv(keys, k_scale, q.dtype)
             values = dequantize_kv(values, v_scale, q.dtype)
-        num_seqs, max_q = q_valid.shape
+        max_q = q_valid.shape[1]
         if max_q == 1:  # decode-only step: one query row per sequence, no padding
             padded_q = q.unsqueeze(1)
         else:

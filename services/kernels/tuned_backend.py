@@ -17,7 +17,7 @@ from services.kernels.shape_classes import (
     parse_choices,
     token_class,
 )
-from services.kernels.tuner import load_candidates, tune
+from services.kernels.tuner import default_candidates, load_candidates, tune
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwarg
         picked = overrides
         backends = load_candidates(tuple(set(picked.values())))
     else:
-        backends = load_candidates()
+        backends = load_candidates(default_candidates(device))
         result = tune(shapes, device, candidates=backends, **tune_kwargs)
         log.info(
             "kernel choices (%s%s):\n%s",

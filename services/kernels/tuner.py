@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
+from services.kernels.cpu_backend import CpuSlabBackend
 from services.kernels.interface import FP8_KV_DTYPE, AttentionMetadata
 from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
@@ -69,6 +70,12 @@ class TuningSizes:
             raise ValueError(
                 f"decode_tokens needs one token count per decode class {list(DECODE_CLASSES)}"
             )
+
+    @classmethod
+    def cpu(cls) -> TuningSizes:
+        """A CPU measures with real weights in seconds, not at GPU batch sizes: the
+        decode classes keep their token counts, prefill and contexts are shorter."""
+        return cls((1, 4, 24, 128), 256, 256, 2, 128, 128)
 
     @classmethod
     def tiny(cls) -> TuningSizes:
@@ -137,7 +144,19 @@ def _rejected_names(result: TuningResult) -> set[str]:
 
 
 # ---- candidates -----------------------------------------------------------------------
-def load_candidates(names=("torch", "triton", "aiter", "sdpa", "scaled_mm")) -> dict[str, object]:
+GPU_CANDIDATES = ("torch", "triton", "aiter", "sdpa", "scaled_mm")
+# Triton's kernels run on a CPU only under its interpreter (tests), where time means
+# nothing: a CPU measures its own candidates, which differ in linear only (SDPA's
+# attention lost to the reference at every class on the 2-core EPYC, and measuring
+# attention there took seconds of start-up), so a first start measures ~100 ms.
+CPU_CANDIDATES = ("torch", "cpu_slab")
+
+
+def default_candidates(device: torch.device | str) -> tuple[str, ...]:
+    return GPU_CANDIDATES if torch.device(device).type == "cuda" else CPU_CANDIDATES
+
+
+def load_candidates(names=GPU_CANDIDATES) -> dict[str, object]:
     """Every candidate backend that constructs here (others are skipped, logged)."""
     out: dict[str, object] = {}
     for name in names:
@@ -146,6 +165,8 @@ def load_candidates(names=("torch", "triton", "aiter", "sdpa", "scaled_mm")) -> 
                 out[name] = TorchBackend()
             elif name == "sdpa":
                 out[name] = SdpaBackend()
+            elif name == "cpu_slab":
+                out[name] = CpuSlabBackend()
             elif name == "scaled_mm":
                 # lazy: an FP8-only candidate that refuses to build off NVIDIA sm_89+
                 from services.kernels.scaled_mm_backend import ScaledMMBackend
@@ -172,7 +193,21 @@ def load_candidates(names=("torch", "triton", "aiter", "sdpa", "scaled_mm")) -> 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return "cpu"
+    # the choice depends on the CPU model and how many threads share the work
+    return f"cpu {cpu_model()} {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _versions() -> dict[str, str]:
@@ -185,10 +220,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _cache_key(shapes: KernelShapes, sizes: TuningSizes, device_name: str, names) -> str:
+def _cache_key(
+    shapes: KernelShapes, sizes: TuningSizes, device_name: str, names, graphs: bool
+) -> str:
     return json.dumps(
         {
             "device": device_name,
+            "graphs": graphs,
             "shapes": asdict(shapes),
             "sizes": asdict(sizes),
             "versions": _versions(),
@@ -215,38 +253,49 @@ def tune(
     sizes: TuningSizes | None = None,
     cache_dir: Path | None = None,
     retune: bool = False,
+    graphs: bool | None = None,
 ) -> TuningResult:
     """The fastest correct candidate per op and class: from the cache when this exact
-    device/shape/version combination was measured before, else measured (and saved)."""
+    device/shape/version combination was measured before, else measured (and saved).
+    Defaults by device: a GPU times its candidates at GPU sizes, decode classes as
+    CUDA-graph replays of capture-safe candidates only; a CPU its own candidates at
+    TuningSizes.cpu(). graphs=True keeps the capture-safe rule on a CPU (tests)."""
     device = torch.device(device)
-    sizes = sizes or TuningSizes()
-    candidates = candidates if candidates is not None else load_candidates()
+    sizes = sizes or (TuningSizes() if device.type == "cuda" else TuningSizes.cpu())
+    if candidates is None:
+        candidates = load_candidates(default_candidates(device))
+    graphs = device.type == "cuda" if graphs is None else graphs
     name = _device_name(device)
-    key = _cache_key(shapes, sizes, name, candidates)
+    key = _cache_key(shapes, sizes, name, candidates, graphs)
     path = cache_file(name, cache_dir)
     if not retune:
         cached = _read_cache(path).get(key)
         if cached is not None and set(cached["choices"]) == all_keys(shapes):
             return TuningResult(**cached, from_cache=True)
     with _on_device(device):
-        result = _measure(shapes, sizes, device, candidates)
+        result = _measure(shapes, sizes, device, candidates, graphs)
     result.device_name = name
     result.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write_cache(path, key, result)
     return result
 
 
-def _measure(shapes, sizes, device, candidates) -> TuningResult:
+def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
     result = TuningResult(choices={}, times_us={})
     tol = REL_TOL[shapes.torch_dtype]
     reference = candidates.get("torch") or load_candidates(("torch",))["torch"]
     for op in ops_for(shapes):
         for cls in OP_CLASSES[op]:
             key = f"{op}.{cls}"
-            graph = device.type == "cuda" and cls in GRAPH_CLASSES
+            graph = graphs and device.type == "cuda" and cls in GRAPH_CLASSES
+            names = candidates_for(op, cls, graphs)
+            if device.type == "cpu" and [n for n in names if n in candidates] == ["torch"]:
+                # nothing to compare the reference with (a CPU's elementwise ops)
+                result.choices[key], result.times_us[key] = "torch", {}
+                continue
             ref_out = _run_case(op, cls, shapes, sizes, device, torch.float32, reference)[1]
             times, rejected, best_config = {}, {}, {}
-            for cand in candidates_for(op, cls):
+            for cand in names:
                 backend = candidates.get(cand)
                 if backend is None:
                     continue
@@ -280,7 +329,6 @@ def _measure(shapes, sizes, device, candidates) -> TuningResult:
                 if result.choices[key] in best_config:
                     result.configs[key] = best_config[result.choices[key]]
             else:  # nothing measurable here: the reference, or triton where it cannot run
-                names = candidates_for(op, cls)
                 result.choices[key] = "torch" if "torch" in names else "triton"
             log.info("kernel tuner %s: %s %s", key, result.choices[key], times)
     return result

@@ -9,6 +9,28 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+# (they have request fields of their own, or would change what the call returns).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def load_tokenizer(model_path: Path):
@@ -41,16 +63,37 @@ def eos_token_ids(model_path: Path, tokenizer, hf_config) -> list[int]:
     return sorted(ids)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+def apply_chat_template(
+    tokenizer,
+    messages: list[dict],
+    *,
+    add_special_tokens: bool = False,
+    template_kwargs: dict | None = None,
+    **kwargs,
+) -> list[int]:
     """Token ids of one conversation through the model's chat template, with the
-    generation prompt unless kwargs say otherwise. Raises ValueError for anything the
-    template refuses (empty conversation, bad roles or order): the caller's mistake."""
+    generation prompt unless kwargs say otherwise. template_kwargs (a request's
+    chat_template_kwargs: the template's own variables such as Qwen3's enable_thinking)
+    reach the template and may not set apply_chat_template's arguments. Special
+    tokens are not added by default (vLLM's chat default: the template writes them).
+    Raises ValueError for anything the template refuses (empty conversation, bad roles
+    or order, generation prompt together with continue_final_message)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: send token ids")
     if not messages:
         raise ValueError("messages must not be empty")
+    if template_kwargs:
+        taken = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
+        kwargs = {**template_kwargs, **kwargs}
     kwargs.setdefault("add_generation_prompt", True)
+    if kwargs["add_generation_prompt"] and kwargs.get("continue_final_message"):
+        raise ValueError("add_generation_prompt and continue_final_message are exclusive")
     try:
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            return list(tokenizer.encode(text, add_special_tokens=True))
         ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in the template
         raise ValueError(f"cannot apply the chat template: {e}") from None

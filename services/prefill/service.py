@@ -66,7 +66,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         done = asyncio.Event()
         self._inflight[rid] = (asyncio.current_task(), done)
         try:
-            first, first_lp, stats, prefill_s = await self._prefill_and_push(
+            first, first_lp, prompt_lps, stats, prefill_s = await self._prefill_and_push(
                 rid, prompt, params, peer, list(request.block_ids), request.num_cached_tokens
             )
         except KVTransferError:
@@ -86,6 +86,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         if params.logprobs is not None:
             resp.first_logprob.CopyFrom(convert.logprob_to_pb(first, first_lp, params.logprobs))
+        if params.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(
+                convert.prompt_logprobs_to_pb(prompt, prompt_lps, params.prompt_logprobs)
+            )
         return resp
 
     def _admissible(self, rid, prompt, params, request) -> KVAgentInfo:
@@ -135,7 +139,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             stats = await self._transfer(peer, seq.block_table[skip:], block_ids[skip:])
             first = out.output.token_ids[0]
             first_lp = out.output.logprobs[0] if params.logprobs is not None else None
-            return first, first_lp, stats, prefill_s
+            return first, first_lp, out.prompt_logprobs, stats, prefill_s
         finally:
             loop.close_stream(rid)
             await loop.call_always(lambda: engine.release(rid) or engine.abort_request(rid))

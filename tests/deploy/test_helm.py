@@ -599,3 +599,39 @@ def test_model_pvc_sub_path_ignored_for_host_path():
         c = container(find(docs, "Deployment", name(role)))
         (mount,) = (m for m in c["volumeMounts"] if m["name"] == "model")
         assert "subPath" not in mount
+
+
+def test_grafana_dashboard_configmap():
+    """Off by default; on, a ConfigMap with the sidecar's label holds the dashboard JSON,
+    whose queries use the metric names the router and workers export."""
+    assert not any(
+        d["metadata"]["name"] == name("dashboard") for d in kinds(helm.render(), "ConfigMap")
+    )
+    values = {
+        "monitoring": {
+            "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}
+        }
+    }
+    docs = helm.render(values)
+    cm = find(docs, "ConfigMap", name("dashboard"))
+    helm.validate(cm)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    dashboard = json.loads(cm["data"]["pdserve-pd.json"])
+    assert dashboard["uid"] == "pdserve-pd"
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:kv_cache_usage_perc",
+        "pdserve_router_prefill_time_seconds",
+        "pdserve_router_kv_transfer_time_seconds",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_prefill_fallbacks_total",
+        "pdserve_router_worker_num_free_blocks",
+    ):
+        assert metric in exprs, metric
+    # a label the sidecar does not know cannot be a number
+    import helm_python
+
+    with pytest.raises(helm_python.HelmValuesError):
+        helm.render({"monitoring": {"grafanaDashboard": {"enabled": True, "labels": {"a": 1}}}})

@@ -97,3 +97,21 @@ def test_tuned_backend_matches_torch_backend(
     if device != "cpu":
         assert list((tmp_path / "kernel_tuning").glob("*.json"))
         assert _generate(tiny_llama, prompts, "tuned", device) == torch_tokens
+
+
+def test_cpu_default_is_the_tuner_measuring_cpu_candidates(
+    tiny_llama, prompts, torch_tokens, device, tmp_path, monkeypatch
+):
+    """On a CPU the engine's default backend is `tuned`, measuring the CPU's own
+    candidates (plain GEMM vs weight slabs) at this model's shapes; its tokens equal
+    the torch reference's in fp32."""
+    if device != "cpu":
+        pytest.skip("the CPU tuner")
+    from services.engine import EngineConfig
+
+    assert EngineConfig(model=str(tiny_llama)).kernel_backend_name == "tuned"
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert _generate(tiny_llama, prompts, "tuned", device) == torch_tokens
+    (cache,) = (tmp_path / "kernel_tuning").glob("cpu*.json")
+    assert _generate(tiny_llama, prompts, "tuned", device) == torch_tokens  # from the cache
+    assert list((tmp_path / "kernel_tuning").glob("*.json")) == [cache]

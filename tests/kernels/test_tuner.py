@@ -20,6 +20,7 @@ from services.kernels.shape_classes import (  # noqa: E402
     NOT_GRAPH_SAFE,
     OP_CLASSES,
     KernelShapes,
+    candidates_for,
 )
 from services.kernels.torch_backend import TorchBackend  # noqa: E402
 from services.kernels.tuner import TuningSizes, cache_file, load_candidates, tune  # noqa: E402
@@ -55,12 +56,18 @@ def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
     tmp_path, candidates, sizes, device
 ):
     shapes = SHAPES if device == "cpu" else KernelShapes(4096, 32, 8, 128, 14336, 16, "bfloat16")
-    result = tune(shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    result = tune(
+        shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path, graphs=True
+    )
     assert not result.from_cache
     assert set(result.choices) == ALL_KEYS
     for key, choice in result.choices.items():
         op, cls = key.split(".")
         times = result.times_us[key]
+        if not times:  # a CPU takes the reference unmeasured where it is the only one
+            assert device == "cpu" and choice == "torch", key
+            assert [n for n in candidates_for(op, cls) if n in candidates] == ["torch"], key
+            continue
         assert times, f"{key}: no candidate measured ({result.rejected.get(key)})"
         assert choice == min(times, key=times.get)
         assert all(t > 0 for t in times.values())
@@ -74,11 +81,19 @@ def test_tune_picks_a_fast_correct_capture_safe_candidate_and_caches_it(
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and result.device_name.lower().split()[0] in files[0].name
 
-    again = tune(shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    again = tune(
+        shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path, graphs=True
+    )
     assert again.from_cache and again.choices == result.choices
     assert again.times_us == result.times_us
     fresh = tune(
-        shapes, device, candidates=candidates, sizes=sizes, cache_dir=tmp_path, retune=True
+        shapes,
+        device,
+        candidates=candidates,
+        sizes=sizes,
+        cache_dir=tmp_path,
+        retune=True,
+        graphs=True,
     )
     assert not fresh.from_cache and set(fresh.choices) == ALL_KEYS
     table = result.table()
@@ -93,7 +108,9 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
     from services.kernels.tuned_backend import TunedBackend
 
     sizes = TuningSizes.tiny()
-    result = tune(MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    result = tune(
+        MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path, graphs=True
+    )
     moe_keys = {f"fused_moe.{c}" for c in OP_CLASSES["fused_moe"]}
     assert set(result.choices) == ALL_KEYS | moe_keys
     assert result.rejected == {}, result.rejected
@@ -116,7 +133,9 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
         else:
             assert key not in result.configs
     assert "| fused_moe | decode1 |" in result.table() and " g1 w4 " in result.table()
-    again = tune(MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path)
+    again = tune(
+        MOE_SHAPES, "cpu", candidates=candidates, sizes=sizes, cache_dir=tmp_path, graphs=True
+    )
     assert again.from_cache and again.configs == result.configs
     backend = TunedBackend(candidates, result.choices, MOE_SHAPES, result.configs)
     assert backend.configs == result.configs
@@ -205,7 +224,7 @@ def test_engine_config_validates_kernel_options():
         EngineConfig(model="x", kernel_backend="torch", kernel_choices="rms_norm=torch")
     with pytest.raises(ValueError, match="unknown kernel op"):
         EngineConfig(model="x", kernel_backend="tuned", kernel_choices="gemm=torch")
-    assert EngineConfig(model="x", device="cpu").kernel_backend_name == "torch"
+    assert EngineConfig(model="x", device="cpu").kernel_backend_name == "tuned"
     assert EngineConfig(model="x", device="cuda:0").kernel_backend_name == "tuned"
 
 
@@ -271,3 +290,22 @@ def test_weight_quant_tags():
     for bad in ("fp8", "fp8_block_128", "int8_channel", "fp8_block_ax1"):
         with pytest.raises(ValueError, match="weight_quant"):
             KernelShapes(**{**SHAPES.__dict__, "weight_quant": bad})
+
+
+def test_the_cpu_tuner_measures_the_cpus_own_candidates(tmp_path):
+    """No candidates given on a CPU: torch and cpu_slab (no interpreted Triton), no
+    graph rule; the ops with one candidate are the reference without measuring; the
+    cache file names the CPU model and thread count."""
+    result = tune(SHAPES, "cpu", cache_dir=tmp_path)
+    assert set(result.choices) == ALL_KEYS and result.rejected == {}
+    assert set(result.choices.values()) <= {"torch", "cpu_slab"}
+    for cls in OP_CLASSES["linear"]:
+        assert set(result.times_us[f"linear.{cls}"]) == {"torch", "cpu_slab"}
+    for op in ("rms_norm", "paged_attention", "store_kv_cache"):
+        for cls in OP_CLASSES[op]:
+            assert result.choices[f"{op}.{cls}"] == "torch"
+            assert result.times_us[f"{op}.{cls}"] == {}
+    assert result.device_name.startswith("cpu ") and "threads" in result.device_name
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.startswith("cpu-")
+    assert tune(SHAPES, "cpu", cache_dir=tmp_path).from_cache

@@ -74,7 +74,25 @@ CHAT_ERRORS = [
     (chat(stream=True, stream_options={"include_usage": 1}), "include_usage"),
     (chat(stop_token_ids=[-1]), "stop_token_ids"),
     (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(logit_bias={"1": 2}), "logit_bias"),
+    (chat(logit_bias={"1": 101}), "logit_bias"),
+    (chat(logit_bias={"a": 1}), "logit_bias"),
+    (chat(logit_bias=[1]), "logit_bias"),
+    (chat(bad_words=["ok", ""]), "bad_words"),
+    (chat(allowed_token_ids=[]), "allowed_token_ids"),
+    (chat(allowed_token_ids=[1, -1]), "allowed_token_ids"),
+    (chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (chat(priority=1), "priority"),
+    (chat(prompt_logprobs=-1), "prompt_logprobs"),
+    (chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    (
+        chat(stream=True, stream_options={"continuous_usage_stats": True}),
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        chat(stream=True, stream_options={"include_obfuscation": True}),
+        "stream_options.include_obfuscation",
+    ),
     (chat(response_format={"type": "json_object"}), "response_format"),
     (chat(temperature=float("nan")), "temperature"),
 ]
@@ -94,7 +112,7 @@ COMPLETION_ERRORS = [
     (comp(echo="no"), "echo"),
     (comp(logprobs=True), "logprobs"),
     (comp(logprobs=21), "logprobs"),
-    (comp(echo=True, logprobs=1), "echo"),
+    (comp(echo=True, logprobs=1, prompt_logprobs=21), "prompt_logprobs"),
     (comp(suffix="x"), "suffix"),
     (comp(best_of=3), "best_of"),
     (comp(max_tokens=0), "max_tokens"),
@@ -231,6 +249,40 @@ def test_completion_echo_and_logprobs():
     assert req.echo and req.logprobs is None
     assert parse_completion_request(comp(logprobs=0)).logprobs == 0
     assert parse_completion_request(comp(logprobs=5)).sampling_params(0).logprobs == 5
+    # echo + logprobs asks the workers for the prompt's logprobs with the same top-n
+    pb = parse_completion_request(comp(echo=True, logprobs=2)).sampling_params(0)
+    assert pb.prompt_logprobs == 2 and pb.logprobs == 2
+    pb = parse_completion_request(comp(echo=True, logprobs=1, prompt_logprobs=3)).sampling_params(0)
+    assert pb.prompt_logprobs == 3
+    assert (
+        not parse_completion_request(comp(logprobs=1))
+        .sampling_params(0)
+        .HasField("prompt_logprobs")
+    )
+
+
+def test_sampling_fields_reach_the_worker_request():
+    req = parse_chat_request(
+        chat(
+            logit_bias={"7": -100, "9": 2.5},
+            bad_words=["foo bar"],
+            allowed_token_ids=[3, 4],
+            truncate_prompt_tokens=-1,
+            prompt_logprobs=0,
+            priority=0,
+        )
+    )
+    pb = req.sampling_params(0)
+    assert dict(pb.logit_bias) == {7: -100.0, 9: 2.5}
+    assert list(pb.bad_words) == ["foo bar"] and list(pb.allowed_token_ids.ids) == [3, 4]
+    assert pb.truncate_prompt_tokens == -1 and pb.prompt_logprobs == 0
+    plain = parse_chat_request(chat()).sampling_params(0)
+    assert not plain.HasField("allowed_token_ids") and not plain.HasField("truncate_prompt_tokens")
+    # token-id prompts are truncated in the router already (its context check counts them)
+    cut = parse_completion_request(comp(prompt=[1, 2, 3, 4], truncate_prompt_tokens=2))
+    assert cut.prompts[0].token_ids == [3, 4]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_chat_request(chat(stream=True, stream_options=opts)).continuous_usage
 
 
 def test_prefix_key_shares_leading_part():
@@ -243,3 +295,82 @@ def test_prefix_key_shares_leading_part():
     ids = parse_completion_request(comp(prompt=list(range(100)))).prompts[0]
     ids2 = parse_completion_request(comp(prompt=[*range(64), 7, 7])).prompts[0]
     assert ids.prefix_key() == ids2.prefix_key()
+
+
+# ----------------------------------------------------------------------------- chat options
+
+
+def _param_of(parse, body) -> str:
+    with pytest.raises(APIError) as e:
+        parse(body)
+    assert e.value.status == 400
+    return e.value.param
+
+
+def test_chat_options_travel_in_the_conversation():
+    import json
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    req = parse_chat_request(
+        {
+            "messages": msgs,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False, "depth": {"n": 3}},
+        }
+    )
+    conv = req.prompts[0].to_pb_fields()["chat"]
+    assert conv.add_generation_prompt is False and conv.continue_final_message is True
+    assert json.loads(conv.chat_template_kwargs_json) == {
+        "enable_thinking": False,
+        "depth": {"n": 3},
+    }
+    # defaults: generation prompt on (sent explicitly), no kwargs
+    conv = parse_chat_request({"messages": msgs}).prompts[0].to_pb_fields()["chat"]
+    assert conv.HasField("add_generation_prompt") and conv.add_generation_prompt
+    assert not conv.continue_final_message and conv.chat_template_kwargs_json == ""
+
+
+def test_chat_options_refused_with_the_field_named():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert (
+        _param_of(parse_chat_request, {"messages": msgs, "continue_final_message": True})
+        == "continue_final_message"
+    )
+    assert (
+        _param_of(parse_chat_request, {"messages": msgs, "chat_template_kwargs": [1]})
+        == "chat_template_kwargs"
+    )
+    body = {"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert _param_of(parse_chat_request, body) == "chat_template_kwargs.add_generation_prompt"
+    body = {"messages": msgs, "add_generation_prompt": "no"}
+    assert _param_of(parse_chat_request, body) == "add_generation_prompt"
+
+
+def test_tokenize_and_detokenize_bodies():
+    from router.protocol import parse_detokenize_request, parse_tokenize_request
+
+    text = parse_tokenize_request({"model": "m", "prompt": "hi"})
+    assert text.prompt.text == "hi" and text.add_special_tokens and not text.return_token_strs
+    chat = parse_tokenize_request({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.prompt.messages == [("user", "hi")] and not chat.add_special_tokens
+    assert _param_of(parse_tokenize_request, {"prompt": 3}) == "prompt"
+    assert _param_of(parse_tokenize_request, {"prompt": "a", "messages_": []}) == "messages_"
+    assert _param_of(parse_tokenize_request, {"prompt": "a", "tools": [{}]}) == "tools"
+    # a chat-only field with a text prompt is not silently dropped
+    body = {"prompt": "a", "chat_template_kwargs": {"x": 1}}
+    assert _param_of(parse_tokenize_request, body) == "chat_template_kwargs"
+    assert parse_detokenize_request({"tokens": [1, 2]}) == (None, [1, 2])
+    assert parse_detokenize_request({"tokens": []}) == (None, [])
+    assert _param_of(parse_detokenize_request, {"tokens": [-1]}) == "tokens"
+    assert _param_of(parse_detokenize_request, {"tokens": "12"}) == "tokens"
+
+
+def test_router_and_worker_reserve_the_same_template_kwargs():
+    """The router refuses these chat_template_kwargs early (a 400 naming the key); the
+    worker, which renders the template, refuses the same set (the router image does not
+    ship the worker's code, so each holds its copy)."""
+    from router.protocol import RESERVED_TEMPLATE_KWARGS as router_side
+    from services.models.tokenizer import RESERVED_TEMPLATE_KWARGS as worker_side
+
+    assert router_side == worker_side

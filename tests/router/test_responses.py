@@ -162,3 +162,58 @@ def test_completion_echo_stream_and_token_prompt():
     b = ResponseBuilder(text_req, "r", "m")
     b.add(0, resp("!", [1], STOP, {"prompt_tokens": 1, "completion_tokens": 1}))
     assert b.response()["choices"][0]["text"] == "hi!"
+
+
+def test_completion_echo_with_logprobs_and_prompt_logprobs():
+    req = parse_completion_request(
+        {"model": "m", "prompt": "ab", "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    )
+    b = ResponseBuilder(req, "r", "m")
+    first = resp("c", [3], STOP, {"prompt_tokens": 2, "completion_tokens": 1})
+    first.logprobs.extend([lp("c", 3, -0.5, [("c", 3, -0.5)])])
+    prompt = [common_pb2.TokenLogprob(token_id=1, token="a")]  # rank 0: no logprob
+    prompt.append(lp("b", 2, -3.0, [("z", 7, -0.25)]))
+    prompt[1].rank = 4
+    first.prompt_logprobs.extend(prompt)
+    b.add(0, first)
+    body = b.response()
+    # not Completion.model_validate: its types say float where OpenAI's API (and vLLM)
+    # send null for the first echoed token; the client itself does not validate
+    c = body["choices"][0]
+    assert c["text"] == "abc"
+    assert c["logprobs"] == {
+        "tokens": ["a", "b", "c"],
+        "token_logprobs": [None, -3.0, -0.5],
+        "top_logprobs": [None, {"z": -0.25, "b": -3.0}, {"c": -0.5}],
+        "text_offset": [0, 1, 2],
+    }
+    assert c["prompt_logprobs"] == [
+        None,
+        {
+            "7": {"logprob": -0.25, "rank": 1, "decoded_token": "z"},
+            "2": {"logprob": -3.0, "rank": 4, "decoded_token": "b"},
+        },
+    ]
+    json.dumps(body, allow_nan=False)
+
+
+def test_chat_prompt_logprobs_top_level_and_continuous_usage():
+    b = ResponseBuilder(chat_req(prompt_logprobs=0), "r", "m")
+    r = resp("x", [5], STOP, {"prompt_tokens": 2, "completion_tokens": 1})
+    r.prompt_logprobs.extend([common_pb2.TokenLogprob(token_id=1, token="q"), lp("?", 2, -1.5)])
+    r.prompt_logprobs[1].rank = 2
+    b.add(0, r)
+    body = b.response()
+    ChatCompletion.model_validate(body)
+    assert body["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -1.5, "rank": 2, "decoded_token": "?"}},
+    ]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    b = ResponseBuilder(chat_req(stream=True, stream_options=opts), "r", "m")
+    chunks = b.chunks(0, resp("a", [5], prompt_token_ids=[1, 2, 3]))
+    chunks += b.chunks(0, resp("b", [6]))
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunks[1]["usage"]["completion_tokens"] == 1

@@ -76,9 +76,18 @@ class Worker:
 
 
 def start_worker(
-    role: str, *args: str, model: str, timeout: float = 120, env: dict | None = None
+    role: str,
+    *args: str,
+    model: str,
+    timeout: float = 120,
+    env: dict | None = None,
+    warmup: bool = False,
 ) -> Worker:
+    """warmup: run the start-up warm-up (the shipped default). Off here unless a test
+    checks it: it adds a few forward passes to every one of the suite's worker starts."""
     cmd = [*PDSERVE, role, "--model", model, "--port", "0", "--num-kv-blocks", "256", *args]
+    if not warmup:
+        cmd.append("--skip-warmup")
     env = {**os.environ, "GLOG_minloglevel": "2", **(env or {})}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdpb/v1/common.proto\x12\x07pdpb.v1\"\x95\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43onversation\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdpb.v1.ChatMessage\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12 \n\x03top\x18\x05 \x03(\x0b\x32\x13.pdpb.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x10\n\x08k_scales\x18\x08 \x03(\x01\x12\x10\n\x08v_scales\x18\t \x03(\x01\"z\n\x0bKVAgentInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tbase_addr\x18\x02 \x01(\x04\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.pdpb.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x98\x02\n\nLoadReport\x12\x1b\n\x04role\x18\x01 \x01(\x0e\x32\r.pdpb.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fkv_transfers_ok\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\t \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x0b \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdpb/v1/common.proto\x12\x07pdpb.v1\"\xb6\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\t\x88\x01\x01\x12:\n\nlogit_bias\x18\x12 \x03(\x0b\x32&.pdpb.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12,\n\x11\x61llowed_token_ids\x18\x14 \x01(\x0b\x32\x11.pdpb.v1.TokenIds\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb7\x01\n\x0c\x43onversation\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdpb.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12 \n\x03top\x18\x05 \x03(\x0b\x32\x13.pdpb.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x10\n\x08k_scales\x18\x08 \x03(\x01\x12\x10\n\x08v_scales\x18\t \x03(\x01\"z\n\x0bKVAgentInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tbase_addr\x18\x02 \x01(\x04\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.pdpb.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x98\x02\n\nLoadReport\x12\x1b\n\x04role\x18\x01 \x01(\x0e\x32\r.pdpb.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fkv_transfers_ok\x18\x08 \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\t \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x0b \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdpb.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1629
-  _globals['_FINISHREASON']._serialized_end=1749
-  _globals['_ROLE']._serialized_start=1751
-  _globals['_ROLE']._serialized_end=1829
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2048
+  _globals['_FINISHREASON']._serialized_end=2168
+  _globals['_ROLE']._serialized_start=2170
+  _globals['_ROLE']._serialized_end=2248
   _globals['_SAMPLINGPARAMS']._serialized_start=34
-  _globals['_SAMPLINGPARAMS']._serialized_end=567
-  _globals['_TOKENIDS']._serialized_start=569
-  _globals['_TOKENIDS']._serialized_end=592
-  _globals['_CHATMESSAGE']._serialized_start=594
-  _globals['_CHATMESSAGE']._serialized_end=638
-  _globals['_CONVERSATION']._serialized_start=640
-  _globals['_CONVERSATION']._serialized_end=694
-  _globals['_TOPLOGPROB']._serialized_start=696
-  _globals['_TOPLOGPROB']._serialized_end=758
-  _globals['_TOKENLOGPROB']._serialized_start=760
-  _globals['_TOKENLOGPROB']._serialized_end=872
-  _globals['_USAGE']._serialized_start=874
-  _globals['_USAGE']._serialized_end=954
-  _globals['_KVLAYOUT']._serialized_start=957
-  _globals['_KVLAYOUT']._serialized_end=1134
-  _globals['_KVAGENTINFO']._serialized_start=1136
-  _globals['_KVAGENTINFO']._serialized_end=1258
-  _globals['_GETLOADREQUEST']._serialized_start=1260
-  _globals['_GETLOADREQUEST']._serialized_end=1276
-  _globals['_LOADREPORT']._serialized_start=1279
-  _globals['_LOADREPORT']._serialized_end=1559
-  _globals['_ABORTREQUEST']._serialized_start=1561
-  _globals['_ABORTREQUEST']._serialized_end=1595
-  _globals['_ABORTRESPONSE']._serialized_start=1597
-  _globals['_ABORTRESPONSE']._serialized_end=1627
+  _globals['_SAMPLINGPARAMS']._serialized_end=856
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=631
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=679
+  _globals['_TOKENIDS']._serialized_start=858
+  _globals['_TOKENIDS']._serialized_end=881
+  _globals['_CHATMESSAGE']._serialized_start=883
+  _globals['_CHATMESSAGE']._serialized_end=927
+  _globals['_CONVERSATION']._serialized_start=930
+  _globals['_CONVERSATION']._serialized_end=1113
+  _globals['_TOPLOGPROB']._serialized_start=1115
+  _globals['_TOPLOGPROB']._serialized_end=1177
+  _globals['_TOKENLOGPROB']._serialized_start=1179
+  _globals['_TOKENLOGPROB']._serialized_end=1291
+  _globals['_USAGE']._serialized_start=1293
+  _globals['_USAGE']._serialized_end=1373
+  _globals['_KVLAYOUT']._serialized_start=1376
+  _globals['_KVLAYOUT']._serialized_end=1553
+  _globals['_KVAGENTINFO']._serialized_start=1555
+  _globals['_KVAGENTINFO']._serialized_end=1677
+  _globals['_GETLOADREQUEST']._serialized_start=1679
+  _globals['_GETLOADREQUEST']._serialized_end=1695
+  _globals['_LOADREPORT']._serialized_start=1698
+  _globals['_LOADREPORT']._serialized_end=1978
+  _globals['_ABORTREQUEST']._serialized_start=1980
+  _globals['_ABORTREQUEST']._serialized_end=2014
+  _globals['_ABORTRESPONSE']._serialized_start=2016
+  _globals['_ABORTRESPONSE']._serialized_end=2046
 # @@protoc_insertion_point(module_scope)

@@ -58,6 +58,16 @@ class DecodeServiceStub:
                 request_serializer=pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerRequest.SerializeToString,
                 response_deserializer=pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdpb.v1.DecodeService/Tokenize',
+                request_serializer=pdpb_dot_v1_dot_decode__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdpb_dot_v1_dot_decode__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdpb.v1.DecodeService/Detokenize',
+                request_serializer=pdpb_dot_v1_dot_decode__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdpb_dot_v1_dot_decode__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -92,6 +102,20 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The model's tokenizer, for the router's /tokenize and /detokenize (the router
+        holds no tokenizer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +138,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.AddPrefillPeer,
                     request_deserializer=pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerRequest.FromString,
                     response_serializer=pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pdpb_dot_v1_dot_decode__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdpb_dot_v1_dot_decode__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pdpb_dot_v1_dot_decode__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdpb_dot_v1_dot_decode__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +261,60 @@ class DecodeService:
             '/pdpb.v1.DecodeService/AddPrefillPeer',
             pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerRequest.SerializeToString,
             pdpb_dot_v1_dot_decode__pb2.AddPrefillPeerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdpb.v1.DecodeService/Tokenize',
+            pdpb_dot_v1_dot_decode__pb2.TokenizeRequest.SerializeToString,
+            pdpb_dot_v1_dot_decode__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdpb.v1.DecodeService/Detokenize',
+            pdpb_dot_v1_dot_decode__pb2.DetokenizeRequest.SerializeToString,
+            pdpb_dot_v1_dot_decode__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
