@@ -324,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode workers' devices instead of --device (e.g. cuda:1,cuda:2)",
     )
     up.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="the router's --reasoning-parser (reasoning models' <think> output as "
+        "reasoning_content)",
+    )
+    up.add_argument(
         "worker_args",
         nargs=argparse.REMAINDER,
         help="after --: extra flags for every worker (e.g. -- --max-num-seqs 8)",

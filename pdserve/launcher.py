@@ -106,6 +106,14 @@ def transport_hint(plan: list[tuple[str, str]], worker_args: list[str]) -> str |
 
 def run_up(args, worker_args: list[str]) -> int:
     plan = plan_workers(args)  # ValueError before anything starts
+    if args.reasoning_parser is not None:
+        from router.reasoning import REASONING_PARSERS
+
+        if args.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser {args.reasoning_parser!r}: choose one of "
+                f"{', '.join(sorted(REASONING_PARSERS))}"
+            )
     hint = transport_hint(plan, worker_args)
     if hint:
         print(f"pdserve up: {hint}", file=sys.stderr)
@@ -137,6 +145,8 @@ def run_up(args, worker_args: list[str]) -> int:
         router_cmd = [*PDSERVE, "router", "--host", args.host, "--port", str(args.port)]
         for w in workers:
             router_cmd += [f"--{w.name.split('-')[0]}", w.address]
+        if args.reasoning_parser:
+            router_cmd += ["--reasoning-parser", args.reasoning_parser]
         children.append(Child("router", router_cmd, env))
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         while not _ready(url):

@@ -48,6 +48,11 @@ def test_bad_device_is_refused_before_starting(flag, capsys):
     assert f"{flag}: 'gpu0' is not cpu, cuda or cuda:N" in err
 
 
+def test_bad_reasoning_parser_is_refused_before_starting(capsys):
+    assert main(["up", "--reasoning-parser", "qwen9", "--port", "1"]) == 2
+    assert "--reasoning-parser 'qwen9': choose one of" in capsys.readouterr().err
+
+
 def test_hint_when_gpu_workers_would_move_kv_over_tcp():
     from pdserve.launcher import transport_hint
 
@@ -78,6 +83,7 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pdserve", "up", "--model", str(default_model_dir)]
     cmd += ["--port", str(port), "--prefill", "0", "--decode", "1"]
+    cmd += ["--reasoning-parser", "deepseek_r1"]  # reaches the router (checked below)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
     )
@@ -102,6 +108,13 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
         ref = LLM(str(default_model_dir)).generate(["The capital of France is"], params)[0]
         assert out.choices[0].text == ref.output.text
         assert any("colocated" in line for line in lines), "".join(lines[-30:])
+        # --reasoning-parser reached the router: deepseek_r1 reads an output without
+        # </think> as all reasoning
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=8
+        )
+        message = chat.choices[0].message
+        assert (message.model_extra or {}).get("reasoning_content") and not message.content
         # the decode worker's own report: every KV block free again
         from tests.workers.procs import Worker
 
