@@ -23,7 +23,6 @@ import logging
 import os
 import statistics
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -33,7 +32,6 @@ import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
 from services.kernels.cpu_backend import CpuSlabBackend
-from services.kernels.interface import FP8_KV_DTYPE, AttentionMetadata
 from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
     DECODE_CLASSES,
@@ -46,6 +44,7 @@ from services.kernels.shape_classes import (
     ops_for,
 )
 from services.kernels.torch_backend import TorchBackend
+from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +292,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                 # nothing to compare the reference with (a CPU's elementwise ops)
                 result.choices[key], result.times_us[key] = "torch", {}
                 continue
-            ref_out = _run_case(op, cls, shapes, sizes, device, torch.float32, reference)[1]
+            ref_out = run_case(op, cls, shapes, sizes, device, torch.float32, reference)[1]
             times, rejected, best_config = {}, {}, {}
             for cand in names:
                 backend = candidates.get(cand)
@@ -304,7 +303,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                     configs = _launch_configs(op, cls, shapes, sizes, device, best_config)
                 for cfg in configs:
                     try:
-                        call, out = _run_case(
+                        call, out = run_case(
                             op, cls, shapes, sizes, device, shapes.torch_dtype, backend, cfg
                         )
                         err = _rel_err(out, ref_out)
@@ -427,182 +426,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays
-
-
-# ---- representative inputs -------------------------------------------------------------
-def _run_case(
-    op, cls, shapes: KernelShapes, sizes: TuningSizes, device, dtype, backend, config=None
-):
-    """Build the op's inputs (same seed for every candidate and dtype), run it once;
-    returns (a no-argument callable that runs it again, the first output). config:
-    launch settings for a TUNED_CONFIG_CANDIDATES kernel."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{op}.{cls}".encode()))
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-    n = sizes.tokens(cls)
-    h, eps = shapes.hidden_size, shapes.rms_norm_eps
-    hq, hk, d = shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim
-    if op == "linear":
-        layers = []
-        for fan_in, fan_out in shapes.linear_shapes():
-            layer = torch.nn.Linear(fan_in, fan_out, bias=False, device="meta")
-            layer.weight = torch.nn.Parameter(rand(fan_out, fan_in, scale=fan_in**-0.5), False)
-            layers.append((rand(n, fan_in), layer))
-
-        def call():
-            return [backend.linear(x, layer) for x, layer in layers]
-    elif op == "fp8_linear":
-        fmt = shapes.fp8_format()
-        layers = [
-            (rand(n, k), _random_fp8_layer(k, out, fmt, gen, device))
-            for k, out in shapes.linear_shapes()
-        ]
-
-        def call():
-            return [backend.linear(x, layer) for x, layer in layers]
-    elif op == "rms_norm":
-        x, w = rand(n, h), rand(h)
-
-        def call():
-            return backend.rms_norm(x, w, eps)
-    elif op == "fused_add_rms_norm":
-        x, r, w = rand(n, h), rand(n, h), rand(h)
-
-        def call():
-            return backend.fused_add_rms_norm(x, r, w, eps)
-    elif op == "rotary_embedding":
-        q, k = rand(n, hq, d), rand(n, hk, d)
-        max_pos = 4 * n
-        angles = torch.arange(max_pos).unsqueeze(1) * torch.rand(d // 2, generator=gen)
-        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
-        positions = torch.randint(0, max_pos, (n,), generator=gen).to(device)
-
-        def call():
-            return backend.rotary_embedding(positions, q, k, cos_sin)
-    elif op == "silu_and_mul":
-        x = rand(n, 2 * shapes.intermediate_size)
-
-        def call():
-            return backend.silu_and_mul(x)
-    elif op == "fused_moe":
-        e, k, inter = shapes.num_experts, shapes.top_k, shapes.moe_intermediate_size
-        x = rand(n, h)
-        w13, w2 = rand(e, 2 * inter, h, scale=h**-0.5), rand(e, h, inter, scale=inter**-0.5)
-        # each row a permutation of distinct logits that every dtype holds exactly: the
-        # same experts win in bf16 as in the fp32 reference (no near-ties to flip)
-        ranks = torch.argsort(torch.rand(n, e, generator=gen), dim=-1).float()
-        logits = (ranks * 0.25).to(device=device, dtype=dtype)
-
-        kwargs = {} if config is None else {"config": config}
-
-        def call():
-            return backend.fused_moe(x, logits, w13, w2, k, True, **kwargs)
-    elif op == "store_kv_cache":
-        bs = shapes.block_size
-        num_blocks = -(-n // bs) * 2 + 1
-        k, v = rand(n, hk, d), rand(n, hk, d)
-        kv_dtype, kv_scales = _kv_cache_case(shapes, dtype)
-        if kv_scales:  # FP8: the reference quantizes the very values the candidate sees
-            k, v = (t.to(shapes.torch_dtype).to(dtype) for t in (k, v))
-        cache = torch.zeros(num_blocks, 2, bs, hk, d, device=device, dtype=kv_dtype)
-        slots = torch.randperm(num_blocks * bs, generator=gen)[:n].to(device)
-
-        def call():
-            backend.store_kv_cache(k, v, cache[:, 0], cache[:, 1], slots, *kv_scales)
-            return cache
-    else:
-        q, k_cache, v_cache, meta = _attention_batch(cls, shapes, sizes, device, dtype, gen)
-        backend.prepare_attention(meta)
-        scale = d**-0.5
-        kv_scales = _kv_cache_case(shapes, dtype)[1]
-
-        def call():
-            return backend.paged_attention(q, k_cache, v_cache, meta, scale, *kv_scales)
-
-    out = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return call, out
-
-
-def _kv_cache_case(shapes: KernelShapes, dtype) -> tuple[torch.dtype, tuple[float, ...]]:
-    """The KV cache dtype and (k_scale, v_scale) the KV ops are measured with: an FP8
-    cache gets scales other than 1.0 (powers of two: exact in every dtype), so a
-    candidate that ignores them strays from the reference and is rejected."""
-    if shapes.kv_cache_dtype == "fp8_e4m3":
-        return FP8_KV_DTYPE, (0.5, 2.0)
-    return dtype, ()
-
-
-class _Fp8Layer(torch.nn.Module):
-    """What FP8 kernels read of a quantized linear (services/models/fp8_linear.py's
-    Fp8Linear; the kernels package does not import models): weight, weight_scale,
-    bias and the fp8_format attribute."""
-
-    def __init__(self, weight, weight_scale, fmt):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
-        self.register_parameter("bias", None)
-        self.fp8_format = fmt
-
-
-def _random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
-    """Weights uniform in +-k**-0.5 once dequantized, as dummy FP8 weights are."""
-    from services.kernels.fp8 import FP8_DTYPE, FP8_MAX
-
-    weight = (torch.rand(n, k, generator=gen) * 2 - 1) * FP8_MAX
-    scale = torch.full(fmt.scale_shape(n, k), k**-0.5 / FP8_MAX)
-    return _Fp8Layer(weight.to(FP8_DTYPE).to(device), scale.to(device), fmt)
-
-
-def _attention_batch(cls, shapes, sizes, device, dtype, gen):
-    if cls in DECODE_CLASSES:
-        n = sizes.tokens(cls)
-        q_lens, ctx = [1] * n, [sizes.decode_ctx] * n
-    elif cls == "prefill":
-        q_lens, ctx = [sizes.prefill_len] * sizes.prefill_seqs, [0] * sizes.prefill_seqs
-    else:  # one chunk after a cached prefix, riding along with decodes
-        decodes = max(1, sizes.tokens("decode64") - 1)
-        q_lens = [sizes.mixed_chunk] + [1] * decodes
-        ctx = [sizes.mixed_chunk] + [sizes.decode_ctx] * decodes
-    bs = shapes.block_size
-    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-    per_seq = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(per_seq) + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, i = [], 0
-    for nb in per_seq:
-        tables.append(perm[i : i + nb])
-        i += nb
-    width = max(per_seq)
-    hk, d = shapes.num_kv_heads, shapes.head_dim
-    # the engine's block-major cache: per-layer K/V are strided views
-    kv_dtype = _kv_cache_case(shapes, dtype)[0]  # FP8: the same bytes for every candidate
-    kv = (torch.randn(num_blocks, 2, 2, bs, hk, d, generator=gen)).to(device=device, dtype=kv_dtype)
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    slots = [
-        t[p // bs] * bs + p % bs for t, c, n in zip(tables, ctx, q_lens) for p in range(c, c + n)
-    ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        ),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        block_size=bs,
-        cu_seqlens_q_cpu=cu,
-        seq_lens_cpu=seq_lens,
-    )
-    q = torch.randn(cu[-1], shapes.num_q_heads, d, generator=gen).to(device=device, dtype=dtype)
-    return q, kv[:, 1, 0], kv[:, 1, 1], meta
 
 
 # ---- cache file ------------------------------------------------------------------------

@@ -257,7 +257,7 @@ def test_an_fp8_model_gets_fp8_linear_choices(tmp_path, candidates, tag):
     the tuned backend sends FP8 layers there and unquantized ones to `linear`."""
     from services.kernels.fp8 import fp8_linear_reference
     from services.kernels.tuned_backend import TunedBackend
-    from services.kernels.tuner import _random_fp8_layer
+    from services.kernels.tuner_cases import random_fp8_layer
 
     shapes = KernelShapes(**{**SHAPES.__dict__, "weight_quant": tag})
     sizes = TuningSizes.tiny()
@@ -269,7 +269,7 @@ def test_an_fp8_model_gets_fp8_linear_choices(tmp_path, candidates, tag):
         assert set(result.times_us[key]) == {"torch", "triton"}, key
     backend = TunedBackend(candidates, result.choices, shapes)
     gen = torch.Generator().manual_seed(2)
-    layer = _random_fp8_layer(64, 48, shapes.fp8_format(), gen, "cpu")
+    layer = random_fp8_layer(64, 48, shapes.fp8_format(), gen, "cpu")
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(
         backend.linear(x, layer), fp8_linear_reference(x, layer), rtol=1e-4, atol=1e-4
