@@ -20,13 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvtransfer.layout import (
-    KVLayout,
-    KVLayoutMismatch,
-    check_compatible,
-    coalesce,
-    to_regions,
-)
+from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible, coalesce
+from kvtransfer.tp_plan import block_chunks, chunk_regions
 
 
 class KVTransferError(RuntimeError):
@@ -209,8 +204,9 @@ class KVConnector(ABC):
     def add_peer(self, info: KVAgentInfo) -> None:
         """Check the peer is compatible and remember it.
 
-        Raises KVLayoutMismatch naming every disagreeing field (layout fields, and
-        backend/protocol), so a bad pairing fails before any request is routed to it.
+        The peer may run another TP degree (its rank holds other heads of the same
+        model). Raises KVLayoutMismatch naming every disagreeing field (layout fields,
+        and backend/protocol), so a bad pairing fails before any request is routed to it.
         """
         local = self.agent_info()
         diffs: list[str] = []
@@ -245,10 +241,14 @@ class KVConnector(ABC):
     ) -> TransferStats:
         """Copy our blocks src_block_ids[i] into the peer's dst_block_ids[i].
 
-        Consecutive runs are coalesced into single regions. Returns once every byte has
-        landed; raises KVTransferError on failure or after timeout_s (on a timeout the
-        destination blocks hold undefined data). Bad arguments raise ValueError and an
-        incompatible peer KVLayoutMismatch, before anything is sent.
+        When both ranks hold the same KV heads, whole blocks move and consecutive runs
+        are coalesced into single regions. Otherwise only the heads this rank owns among
+        the peer's (kvtransfer/tp_plan.py) are written into each destination block, one
+        region per block per contiguous head range; when it owns none, nothing is sent
+        and the stats are zero. Returns once every byte has landed; raises
+        KVTransferError on failure or after timeout_s (on a timeout the destination
+        blocks hold undefined data). Bad arguments raise ValueError and an incompatible
+        peer KVLayoutMismatch, before anything is sent.
         """
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise ValueError(f"timeout_s must be a number, got {timeout_s!r}")
@@ -274,12 +274,18 @@ class KVConnector(ABC):
                     f"dst block {d + n - 1} out of range (peer {peer.session_id} has "
                     f"{peer.layout.num_blocks} blocks)"
                 )
-        block_bytes = local.layout.block_bytes
-        num_blocks = sum(n for _, _, n in runs)
-        if not runs:
+        chunks = block_chunks(local.layout, peer.layout)
+        if not runs or not chunks:  # nothing asked, or another rank owns these heads
             return TransferStats(0, 0, 0, 0, 0.0)
-        regions = to_regions(
-            runs, local.base_addr, peer.base_addr, block_bytes, self._max_region_bytes()
+        num_blocks = sum(n for _, _, n in runs)
+        regions = chunk_regions(
+            runs,
+            chunks,
+            local.base_addr,
+            peer.base_addr,
+            local.layout.block_bytes,
+            peer.layout.block_bytes,
+            self._max_region_bytes(),
         )
         try:
             num_batches = self._write_regions(peer, regions, deadline)
@@ -290,7 +296,7 @@ class KVConnector(ABC):
             self._count(failed=True)
             raise KVTransferError(f"transfer failed: {exc!r}", peer=peer.session_id) from exc
         stats = TransferStats(
-            bytes=num_blocks * block_bytes,
+            bytes=num_blocks * sum(c[2] for c in chunks),
             num_blocks=num_blocks,
             num_regions=len(regions),
             num_batches=num_batches,

@@ -1,10 +1,14 @@
 """KV-cache layout description, the compatibility check and block-run coalescing.
 
-The engine allocates one contiguous KV buffer per worker shaped
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` ("block_major").
-Block ``i`` is therefore one contiguous region at ``base + i * block_bytes`` and a run of
-consecutive block ids is one contiguous region: the transfer layer only ever moves whole
-blocks, described by integer addresses and byte counts (no torch here).
+The engine allocates one contiguous KV buffer per worker rank shaped
+``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]`` ("block_head_major"),
+num_kv_heads being the rank's own KV heads under tensor parallelism (TP). Block ``i`` is
+one contiguous region at ``base + i * block_bytes``, so a run of consecutive block ids is
+one contiguous region; inside a block each KV head is one contiguous chunk of
+``head_bytes``, so any range of heads is one chunk too. Ranks of different TP degrees
+therefore exchange a few large head chunks per block (kvtransfer/tp_plan.py), and ranks
+holding the same heads exchange whole block runs. Only integer addresses and byte
+counts here (no torch).
 """
 
 from __future__ import annotations
@@ -29,19 +33,21 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
 }
 
-# Only one layout exists today; the name travels in the handshake so a future layout
-# (e.g. layer-major) is rejected at registration time instead of corrupting KV.
-LAYOUTS: tuple[str, ...] = ("block_major",)
+# Only one layout exists today; the name travels in the handshake so another layout
+# (e.g. the older block-major one, heads innermost) is rejected at registration time
+# instead of corrupting KV.
+LAYOUTS: tuple[str, ...] = ("block_head_major",)
 
-# Fields that must agree between the two ends of a transfer (num_blocks may differ:
-# each side sizes its own pool). Blocks move as bytes, so an FP8 cache's per-layer
-# scales must agree too: the same bytes under another scale are other values.
+# Fields that must agree between the two ends of a transfer. num_blocks may differ (each
+# side sizes its own pool), and so may tp_size / tp_rank / num_kv_heads: each rank holds
+# a slice of the model's total_kv_heads. Blocks move as bytes, so an FP8 cache's
+# per-layer scales must agree too: the same bytes under another scale are other values.
 COMPAT_FIELDS: tuple[str, ...] = (
     "layout",
     "dtype",
     "block_size",
     "num_layers",
-    "num_kv_heads",
+    "total_kv_heads",
     "head_dim",
     "k_scales",
     "v_scales",
@@ -65,9 +71,38 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def kv_heads_of_rank(total_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The global KV heads that TP rank `rank` of `tp_size` holds.
+
+    tp_size <= total_kv_heads: an equal contiguous share each. tp_size > total_kv_heads:
+    one head each, every head replicated on tp_size // total_kv_heads consecutive ranks
+    (as vLLM does). Raises ValueError naming both numbers for any other pair.
+    """
+    _check_int("total_kv_heads", total_kv_heads, 1)
+    _check_int("tp_size", tp_size, 1)
+    _check_int("tp_rank", rank, 0)
+    if rank >= tp_size:
+        raise ValueError(f"tp_rank {rank} out of range for tp_size {tp_size}")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise ValueError(
+                f"total_kv_heads {total_kv_heads} is not divisible by tp_size {tp_size}"
+            )
+        per_rank = total_kv_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    if tp_size % total_kv_heads:
+        raise ValueError(
+            f"tp_size {tp_size} is not a multiple of total_kv_heads {total_kv_heads} "
+            "(needed to replicate KV heads over more ranks than heads)"
+        )
+    head = rank // (tp_size // total_kv_heads)
+    return range(head, head + 1)
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape and dtype of one worker's KV pool; block_bytes is what a transfer moves."""
+    """Shape and dtype of one worker rank's KV pool; a transfer moves blocks or head
+    chunks of blocks. total_kv_heads 0 means num_kv_heads (no TP)."""
 
     num_blocks: int
     block_size: int
@@ -75,11 +110,16 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
-    layout: str = "block_major"
+    layout: str = "block_head_major"
     # Scaled caches (FP8): each layer's K and V scale (stored = value / scale), one per
     # layer; empty for a cache that stores values as they are.
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    # Tensor parallelism: this rank's place and the model's KV head count; num_kv_heads
+    # must be what kv_heads_of_rank gives this rank.
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim"):
@@ -96,6 +136,20 @@ class KVLayout:
         object.__setattr__(self, "dtype", dtype)  # frozen: normalise once here
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        _check_int("tp_size", self.tp_size, 1)
+        _check_int("tp_rank", self.tp_rank, 0)
+        _check_int("total_kv_heads", self.total_kv_heads, 0)
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)  # frozen
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
+        heads = kv_heads_of_rank(self.total_kv_heads, self.tp_size, self.tp_rank)
+        if self.num_kv_heads != len(heads):
+            raise ValueError(
+                f"num_kv_heads {self.num_kv_heads} does not match the {len(heads)} heads that "
+                f"tp_rank {self.tp_rank} of tp_size {self.tp_size} holds out of "
+                f"total_kv_heads {self.total_kv_heads}"
+            )
 
     def _scales(self, name: str) -> tuple[float, ...]:
         value = getattr(self, name)
@@ -120,11 +174,19 @@ class KVLayout:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def kv_heads(self) -> range:
+        """The global KV heads this rank holds, in the order they sit in a block."""
+        return kv_heads_of_rank(self.total_kv_heads, self.tp_size, self.tp_rank)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head within a block: all layers' K and V for its tokens."""
+        return self.num_layers * 2 * self.block_size * self.head_dim * self.dtype_size
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block: all layers' K and V for block_size tokens."""
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        ) * self.dtype_size
+        """Bytes of one block: every local head's chunk, one after the other."""
+        return self.num_kv_heads * self.head_bytes
 
     @property
     def total_bytes(self) -> int:

@@ -58,6 +58,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks that split the model (one process and device each: cuda:N.. from "
+        "--device; gloo between processes on CPU)",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="GPU: wait for each decode step's tokens before launching the next "
@@ -88,6 +96,7 @@ def engine_config_from_args(args, role: str):
         kernel_choices=args.kernel_choices,
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -232,10 +241,15 @@ def _cmd_worker(args) -> int:
         from services.prefill.server import run
     else:
         from services.decode.server import run
+    from services.common.server import WorkerFailed
+
     native = NativeStderrRouter()  # Mooncake's glog lines through our logging
     native.start()
     try:
         run(config, settings)
+    except WorkerFailed as e:
+        print(f"pdserve {role}: {e}", file=sys.stderr)
+        return 1
     finally:
         native.stop()
     return 0
@@ -322,6 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-device",
         default=None,
         help="decode workers' devices instead of --device (e.g. cuda:1,cuda:2)",
+    )
+    up.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of every prefill worker (--tensor-parallel-size): a "
+        "worker on cuda:K uses GPUs K..K+N-1, which no other worker may use; on CPU its "
+        "ranks share the CPU",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of every decode worker, as --prefill-tp (e.g. "
+        "--prefill-tp 2 --decode-tp 2 --prefill-device cuda:0 --decode-device cuda:2)",
     )
     up.add_argument(
         "--reasoning-parser",

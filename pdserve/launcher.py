@@ -70,13 +70,37 @@ class Child:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_TP_FLAGS = ("--prefill-tp", "--decode-tp")
+
+
+def tensor_parallel_sizes(args) -> dict[str, int]:
+    """{role: TP degree} from --prefill-tp / --decode-tp (default 1)."""
+    sizes = {}
+    for role, flag in zip(("prefill", "decode"), _TP_FLAGS, strict=True):
+        size = getattr(args, f"{role}_tp", 1)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {size!r}")
+        sizes[role] = size
+    return sizes
+
+
+def gpu_range(device: str, tp: int) -> range | None:
+    """GPU indices a worker on `device` with TP `tp` uses (cuda:K -> K..K+tp-1; bare cuda
+    is cuda:0); None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    base = int(device.split(":")[1]) if ":" in device else 0
+    return range(base, base + tp)
 
 
 def plan_workers(args) -> list[tuple[str, str]]:
     """(name, device) of every worker: --prefill-device / --decode-device are
     comma-separated lists that worker i of that role takes entry i of (cycled); --device
-    is the default for both."""
-    plan = []
+    is the default for both. A worker with TP N (--prefill-tp / --decode-tp) on cuda:K
+    uses GPUs K..K+N-1; ValueError when such a range overlaps another worker's GPUs
+    (workers without TP may still share a GPU)."""
+    tp = tensor_parallel_sizes(args)
+    plan, flags = [], {}
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         own = getattr(args, f"{role}_device", None)
         flag = f"--{role}-device" if own else "--device"
@@ -84,8 +108,43 @@ def plan_workers(args) -> list[tuple[str, str]]:
         for d in devices:
             if _DEVICE.fullmatch(d) is None:
                 raise ValueError(f"{flag}: {d!r} is not cpu, cuda or cuda:N")
-        plan += [(f"{role}-{i}", devices[i % len(devices)]) for i in range(count)]
+        for i in range(count):
+            plan.append((f"{role}-{i}", devices[i % len(devices)]))
+            flags[plan[-1][0]] = flag
+    _check_gpu_overlap(plan, flags, tp)
     return plan
+
+
+def _check_gpu_overlap(plan, flags: dict[str, str], tp: dict[str, int]) -> None:
+    def gpus(name: str, device: str) -> range | None:
+        return gpu_range(device, tp[name.split("-")[0]])
+
+    def describe(name: str, device: str) -> str:
+        r = gpus(name, device)
+        span = f"GPU {r[0]}" if len(r) == 1 else f"GPUs {r[0]}-{r[-1]}"
+        return f"{name} ({flags[name]} {device}, --{name.split('-')[0]}-tp {len(r)}: {span})"
+
+    for i, (a, dev_a) in enumerate(plan):
+        for b, dev_b in plan[i + 1 :]:
+            ra, rb = gpus(a, dev_a), gpus(b, dev_b)
+            if ra is None or rb is None or len(ra) == len(rb) == 1:
+                continue  # CPU, or two single-GPU workers sharing one (allowed)
+            shared = sorted(set(ra) & set(rb))
+            if shared:
+                raise ValueError(
+                    f"{describe(a, dev_a)} and {describe(b, dev_b)} share GPU {shared[0]}: "
+                    "a tensor-parallel worker needs its GPUs to itself; give each worker "
+                    "its own range with --prefill-device / --decode-device "
+                    "(e.g. --prefill-tp 2 --prefill-device cuda:0 --decode-device cuda:2)"
+                )
+
+
+def _tp_in_worker_args(worker_args: list[str]) -> bool:
+    for a in worker_args:
+        opt = a.split("=", 1)[0]
+        if opt.startswith("-tp") or (len(opt) > 4 and "--tensor-parallel-size".startswith(opt)):
+            return True
+    return False
 
 
 def transport_hint(plan: list[tuple[str, str]], worker_args: list[str]) -> str | None:
@@ -106,6 +165,12 @@ def transport_hint(plan: list[tuple[str, str]], worker_args: list[str]) -> str |
 
 def run_up(args, worker_args: list[str]) -> int:
     plan = plan_workers(args)  # ValueError before anything starts
+    tp = tensor_parallel_sizes(args)
+    if _tp_in_worker_args(worker_args):
+        raise ValueError(
+            "--tensor-parallel-size / -tp after --: use --prefill-tp / --decode-tp, which "
+            "also give each worker its GPUs"
+        )
     if args.reasoning_parser is not None:
         from router.reasoning import REASONING_PARSERS
 
@@ -135,6 +200,7 @@ def run_up(args, worker_args: list[str]) -> int:
         for name, device in plan:
             role = name.split("-")[0]
             cmd = [*PDSERVE, role, "--model", args.model, "--device", device, "--port", "0"]
+            cmd += ["--tensor-parallel-size", str(tp[role])]
             children.append(Child(name, [*cmd, *worker_args], env))
             workers.append(children[-1])
         for w in workers:

@@ -1,5 +1,5 @@
-"""`pdserve up`: which device each worker gets, and bad device flags refused before any
-process starts."""
+"""`pdserve up`: which device(s) each worker gets, tensor-parallel workers' GPU ranges,
+and bad device / TP flags refused before any process starts."""
 
 from __future__ import annotations
 
@@ -62,6 +62,102 @@ def test_hint_when_gpu_workers_would_move_kv_over_tcp():
     assert transport_hint(gpus, ["--transfer-protocol=rdma"]) is None
     assert transport_hint(plan_workers(_args()), []) is None  # CPU
     assert transport_hint(plan_workers(_args(prefill=0, device="cuda")), []) is None
+
+
+def test_tensor_parallel_workers_get_consecutive_gpus():
+    from pdserve.launcher import gpu_range
+
+    args = _args(prefill=1, decode=2, prefill_device="cuda:0", decode_device="cuda:2,cuda:4")
+    plan = plan_workers(argparse.Namespace(**vars(args), prefill_tp=2, decode_tp=2))
+    assert plan == [("prefill-0", "cuda:0"), ("decode-0", "cuda:2"), ("decode-1", "cuda:4")]
+    assert [list(gpu_range(d, 2)) for _, d in plan] == [[0, 1], [2, 3], [4, 5]]
+    assert gpu_range("cuda", 3) == range(0, 3) and gpu_range("cpu", 4) is None
+    # a single-GPU decode worker right after a TP=2 prefill worker
+    plan_workers(_args(prefill_device="cuda:0", decode_device="cuda:2", prefill_tp=2))
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        (  # prefill on GPUs 0-1, decode on GPU 1
+            dict(prefill_device="cuda:0", decode_device="cuda:1", prefill_tp=2),
+            "prefill-0 (--prefill-device cuda:0, --prefill-tp 2: GPUs 0-1) and decode-0 "
+            "(--decode-device cuda:1, --decode-tp 1: GPU 1) share GPU 1",
+        ),
+        (  # --device for both roles: the same start GPU
+            dict(device="cuda", decode_tp=4),
+            "prefill-0 (--device cuda, --prefill-tp 1: GPU 0) and decode-0 "
+            "(--device cuda, --decode-tp 4: GPUs 0-3) share GPU 0",
+        ),
+        (  # two TP=2 decode workers cycled onto overlapping GPUs
+            dict(prefill=0, decode=2, decode_device="cuda:0,cuda:1", decode_tp=2),
+            "decode-0 (--decode-device cuda:0, --decode-tp 2: GPUs 0-1) and decode-1 "
+            "(--decode-device cuda:1, --decode-tp 2: GPUs 1-2) share GPU 1",
+        ),
+    ],
+)
+def test_overlapping_gpu_ranges_are_refused(kw, expected):
+    with pytest.raises(ValueError) as err:
+        plan_workers(_args(**kw))
+    assert expected in str(err.value)
+    assert "--prefill-device / --decode-device" in str(err.value)
+
+
+def test_single_gpu_workers_may_still_share_and_cpu_ignores_tp():
+    plan_workers(_args(prefill=2, decode=2, device="cuda:0"))  # TP 1: allowed, as before
+    plan = plan_workers(_args(prefill=2, decode=2, prefill_tp=2, decode_tp=4))
+    assert {d for _, d in plan} == {"cpu"}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--prefill-tp", "0"], "--prefill-tp must be an integer >= 1, got 0"),
+        (["--decode-tp", "-2"], "--decode-tp must be an integer >= 1, got -2"),
+        (
+            ["--prefill-tp", "2", "--device", "cuda:0"],
+            "prefill-0 (--device cuda:0, --prefill-tp 2: GPUs 0-1) and decode-0",
+        ),
+        (["--", "--tensor-parallel-size", "2"], "use --prefill-tp / --decode-tp"),
+        (["--", "-tp=2"], "use --prefill-tp / --decode-tp"),
+        (["--", "--tensor-para", "2"], "use --prefill-tp / --decode-tp"),
+    ],
+)
+def test_bad_tensor_parallel_flags_are_refused_before_starting(argv, message, capsys):
+    assert main(["up", "--port", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_reaches_every_worker_of_its_role(monkeypatch):
+    """run_up gives each worker `--tensor-parallel-size` of its role (1 by default)."""
+    import signal
+    import threading
+
+    from pdserve import launcher
+
+    started: list[list[str]] = []
+
+    class FakeChild:  # exits at once, so run_up stops after starting the workers
+        def __init__(self, name, cmd, env, echo=True):
+            self.name, self.ready = name, threading.Event()
+            self.proc = argparse.Namespace(poll=lambda: 1)
+            started.append(cmd)
+
+        def stop(self, timeout):
+            pass
+
+    monkeypatch.setattr(launcher, "Child", FakeChild)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    args = _args(prefill=1, decode=2, prefill_tp=2, decode_tp=1, model="m", reasoning_parser=None)
+    assert launcher.run_up(args, ["--max-num-seqs", "8"]) == 1
+    from pdserve.cli import build_parser
+
+    parsed = [build_parser().parse_args(cmd[len(launcher.PDSERVE) :]) for cmd in started]
+    assert [(p.command, p.tensor_parallel_size, p.max_num_seqs) for p in parsed] == [
+        ("prefill", 2, 8),
+        ("decode", 1, 8),
+        ("decode", 1, 8),
+    ]
 
 
 def test_up_colocated_answers_and_stops_cleanly(default_model_dir):

@@ -109,8 +109,13 @@ def agent_from_pb(pb: common_pb2.KVAgentInfo) -> KVAgentInfo:
         "layout",
         "k_scales",
         "v_scales",
+        "tp_rank",
+        "total_kv_heads",  # 0 (unset) is normalised by KVLayout
     )
-    layout = KVLayout(**{f: getattr(pb.layout, f) for f in fields})
+    layout = KVLayout(
+        **{f: getattr(pb.layout, f) for f in fields},
+        tp_size=pb.layout.tp_size or 1,  # unset by a peer that predates TP
+    )
     return KVAgentInfo(
         session_id=pb.session_id,
         base_addr=pb.base_addr,

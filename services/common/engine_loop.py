@@ -74,6 +74,12 @@ class EngineLoop:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, error)
 
+    def fail_streams(self, error: BaseException) -> None:
+        """Wake every open stream with `error` (from any thread): the engine thread
+        cannot be relied on to (e.g. stuck in a collective with a dead rank)."""
+        for request_id in list(self._streams):
+            self.publish_error(request_id, error)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished_requests()

@@ -12,7 +12,8 @@ from kvtransfer import KVConnector, KVLayout
 
 
 def kv_layout(kv_cache: torch.Tensor, spec) -> KVLayout:
-    """spec: the model runner's KVCacheSpec; kv_cache: its block-major tensor."""
+    """spec: the model runner's KVCacheSpec; kv_cache: this rank's block-head-major
+    tensor [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]."""
     return KVLayout(
         num_blocks=kv_cache.shape[0],
         block_size=spec.block_size,
@@ -20,9 +21,13 @@ def kv_layout(kv_cache: torch.Tensor, spec) -> KVLayout:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         dtype=str(spec.dtype).removeprefix("torch."),
-        layout="block_major",
+        layout="block_head_major",
         k_scales=spec.k_scales,
         v_scales=spec.v_scales,
+        # a spec without TP fields is a single rank holding every head
+        tp_size=getattr(spec, "tp_size", 1),
+        tp_rank=getattr(spec, "tp_rank", 0),
+        total_kv_heads=getattr(spec, "total_kv_heads", spec.num_kv_heads),
     )
 
 

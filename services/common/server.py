@@ -4,6 +4,7 @@ model is loaded), engine + KV connector start-up, graceful stop on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -20,11 +21,17 @@ from services.common.interceptor import WorkerInterceptor
 from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
 from services.common.settings import TRANSFER_WRITE_MODES, WorkerSettings
+from services.common.worker_kv import WorkerKV
 from services.engine import EngineConfig, LLMEngine
 from services.engine.startup import StartupPhases
 from services.engine.warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
+
+
+class WorkerFailed(RuntimeError):
+    """The worker cannot serve any more (a tensor-parallel rank died): it exits
+    non-zero after leaving the pool."""
 
 
 class WorkerContext:
@@ -41,11 +48,22 @@ class WorkerContext:
         self.ready = asyncio.Event()
         self.phases = StartupPhases()
         self.warmup: WarmupReport | None = None
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     def load(self) -> None:
         """Blocking: load the model, warm it up and register the KV cache with the
-        transfer engine. Each phase logs its duration."""
+        transfer engine (every tensor-parallel rank its own). Each phase logs its
+        duration."""
         engine = LLMEngine(self.engine_config, self.phases)
+        try:
+            self._load(engine)
+        except BaseException:
+            engine.close()
+            raise
+
+    def _load(self, engine: LLMEngine) -> None:
         s = self.settings
         if s.skip_warmup:
             log.warning(
@@ -57,9 +75,7 @@ class WorkerContext:
                 self.warmup = warm_up(engine)
         kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
         with self.phases.phase("kv_transfer_registration"):
-            connector = create_connector(
-                s.transfer_backend,
-                memory_location=memory_location(kv),
+            kwargs = dict(
                 hostname=s.transfer_hostname,
                 protocol=s.transfer_protocol,
                 metadata=s.transfer_metadata,
@@ -67,17 +83,37 @@ class WorkerContext:
                 direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
                 faults=s.transfer_faults,
             )
-            register_kv_cache(connector, kv, spec)
+            local = create_connector(
+                s.transfer_backend, memory_location=memory_location(kv), **kwargs
+            )
+            register_kv_cache(local, kv, spec)
+            ranks = engine.runner.ranks
+            make = functools.partial(create_connector, s.transfer_backend)
+            connector = WorkerKV(local, ranks, make, kwargs)
         log.info("KV transfer: %r", connector)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
         self.loop.start()
+        if ranks is not None:
+            ranks.watch(self._rank_died)
+
+    def _rank_died(self, rank: int, exitcode) -> None:
+        """From the ranks' watcher thread: fail every request now (the engine thread
+        may be stuck in a collective) and have serve() take the worker down."""
+        self.failure = f"tensor-parallel rank {rank} died (exit code {exitcode})"
+        log.error("%s: the worker stops serving", self.failure)
+        if self.loop is not None:
+            self.loop.fail_streams(WorkerFailed(self.failure))
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self.failed.set)
 
     def close(self) -> None:
         if self.loop is not None:
             self.loop.stop()
         if self.connector is not None:
             self.connector.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 async def serve(
@@ -87,6 +123,7 @@ async def serve(
     add_servicers: Callable[[grpc.aio.Server, WorkerContext], list[str]],
 ) -> None:
     ctx = WorkerContext(role, engine_config, settings)
+    ctx._event_loop = asyncio.get_running_loop()
     server = grpc.aio.server(
         interceptors=[WorkerInterceptor(ctx.ready.is_set)], options=[("grpc.so_reuseport", 0)]
     )
@@ -132,14 +169,21 @@ async def serve(
                     warmup=ctx.warmup.summary() if ctx.warmup is not None else None,
                 ),
             )
-            await stop.wait()
+            await asyncio.wait(
+                [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ctx.failed.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
     finally:
-        log.info("%s worker stopping: draining for up to %.0fs", role, settings.drain_timeout_s)
+        # a failed worker has nothing to drain: its requests have their errors already
+        grace = 1.0 if ctx.failure else settings.drain_timeout_s
+        log.info("%s worker stopping: draining for up to %.0fs", role, grace)
         await health_servicer.enter_graceful_shutdown()
         # New calls are refused; in-flight ones get the drain deadline, then are cancelled
         # (their handlers abort their requests and free the blocks).
-        await server.stop(grace=settings.drain_timeout_s)
+        await server.stop(grace=grace)
         ctx.close()
+    if ctx.failure:
+        raise WorkerFailed(ctx.failure)
 
 
 def _announce(

@@ -53,15 +53,17 @@ class PrefillPeers:
             return self._sessions[address]
         async with self._locks.setdefault(address, asyncio.Lock()):
             if address not in self._sessions:
-                me = convert.agent_to_pb(self.ctx.connector.agent_info())
+                kv = self.ctx.connector
+                me = convert.agent_to_pb(kv.agent_info())
+                ranks = [convert.agent_to_pb(a) for a in kv.rank_agents]
+                request = prefill_pb2.HandshakeRequest(decode_agent=me, decode_rank_agents=ranks)
                 try:
-                    resp = await self.stub(address).Handshake(
-                        prefill_pb2.HandshakeRequest(decode_agent=me), timeout=timeout
-                    )
+                    resp = await self.stub(address).Handshake(request, timeout=timeout)
                 except grpc.aio.AioRpcError as e:
                     raise _peer_error(address, "handshake", e) from None
                 peer = convert.agent_from_pb(resp.prefill_agent)
-                self.ctx.connector.add_peer(peer)  # raises KVLayoutMismatch if incompatible
+                peer_ranks = [convert.agent_from_pb(a) for a in resp.prefill_rank_agents]
+                kv.add_peer(peer, peer_ranks)  # raises KVLayoutMismatch if incompatible
                 self._sessions[address] = me.session_id
         return self._sessions[address]
 

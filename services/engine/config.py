@@ -46,6 +46,9 @@ class EngineConfig:
     # the device (batches without logprobs, penalties or min_tokens masking). None: on
     # for CUDA, off on CPU, where nothing overlaps.
     async_scheduling: bool | None = None
+    # ranks (one process and device each) that split the model's heads and MLP widths;
+    # rank 0 is this process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -89,6 +92,16 @@ class EngineConfig:
             )
         if self.cuda_graph_max_batch < 1:
             raise ValueError("cuda_graph_max_batch must be positive")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+            self.tensor_parallel_size, int
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer, got {self.tensor_parallel_size!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

@@ -17,6 +17,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also on leaving a `with` block)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

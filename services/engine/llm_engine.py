@@ -81,10 +81,25 @@ class LLMEngine:
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = config.max_model_len or model_max
-        check_supported(self.hf_config, max_model_len, config.quantization)
+        check_supported(
+            self.hf_config, max_model_len, config.quantization, config.tensor_parallel_size
+        )
         self.runner = ModelRunner(
             config, self.hf_config, self.model_path, max(max_model_len, model_max), phases
         )
+        try:
+            self._set_up_kv(phases, max_model_len)
+        except BaseException:
+            self.runner.close()  # no tensor-parallel rank outlives a failed start
+            raise
+        self.requests: dict[str, _Request] = {}
+        self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
+        # async scheduling: prefill workers never decode, so they never pipeline
+        self._async = config.async_scheduling_enabled and config.role != "prefill"
+        self._in_flight: _StepInFlight | None = None
+
+    def _set_up_kv(self, phases: StartupPhases, max_model_len: int) -> None:
+        config = self.config
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         capacity = num_blocks * config.block_size
         if config.max_model_len is None:
@@ -105,11 +120,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.requests: dict[str, _Request] = {}
-        self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
-        # async scheduling: prefill workers never decode, so they never pipeline
-        self._async = config.async_scheduling_enabled and config.role != "prefill"
-        self._in_flight: _StepInFlight | None = None
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing to do without TP)."""
+        self.runner.close()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -485,13 +499,7 @@ class LLMEngine:
     # -- sizing -------------------------------------------------------------------------
 
     def _blocks_that_fit(self) -> int:
-        block_bytes = self.runner.kv_spec.block_bytes
-        if self.config.device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
-            budget = int((free - (2 << 30)) * 0.9)
-        else:
-            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
-        num_blocks = budget // block_bytes
+        num_blocks = self.runner.kv_memory_budget() // self.runner.kv_spec.block_bytes
         if num_blocks < 1:
             raise ValueError("not enough memory for even one KV block")
         return num_blocks

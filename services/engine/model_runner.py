@@ -1,11 +1,17 @@
 """Owns the model weights and the KV cache; turns a scheduled batch into tensors,
 runs the forward pass and samples. It makes no policy decisions.
 
-KV cache layout ("block-major"): one tensor [num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim]. A block holds every layer's K and V for its tokens in one
-contiguous region, so a run of consecutive blocks is one memory region: the KV of a
-request moves to another worker as a few large writes instead of 2 x num_layers
-small ones per block."""
+KV cache layout ("block_head_major"): one tensor [num_blocks, num_kv_heads,
+num_layers, 2, block_size, head_dim]. A block holds every layer's K and V for its
+tokens in one contiguous region, so a run of consecutive blocks is one memory region:
+the KV of a request moves to another worker as a few large writes instead of
+2 x num_layers small ones per block. Inside a block each KV head is one contiguous
+chunk, so a worker with another tensor-parallel split takes its heads as large writes
+too.
+
+Tensor parallelism: this runner is one rank. Rank 0's runner (the engine's) starts the
+others (tp_ranks.py) and, before each call that runs the model, has every rank make the
+same call with the same host lists; only rank 0 samples."""
 
 from __future__ import annotations
 
@@ -25,15 +31,33 @@ from services.engine.sampler import (
 )
 from services.engine.scheduler import ScheduledSeq
 from services.engine.startup import StartupPhases
+from services.engine.tp_ranks import TPRanks
 from services.kernels import AttentionMetadata, get_backend
 from services.kernels.interface import FP8_KV_DTYPE
 from services.kernels.shape_classes import KernelShapes, weight_quant_tag
 from services.models.loader import load_model
 from services.models.quantization import quantization_of
+from services.models.tensor_parallel import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    """One forward pass as host lists: all any rank needs to run it (rank 0 sends it to
+    the others). logits_rows: the rows sampled; prompt_rows: (start, end) row ranges
+    whose logits give prompt logprobs, computed first, in order."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]
+    prompt_rows: list[tuple[int, int]]
 
 
 @dataclass
@@ -46,6 +70,10 @@ class KVCacheSpec:
     # FP8 cache: each layer's K and V scale (stored = value / scale); empty otherwise
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    # tensor parallelism: this rank holds num_kv_heads of the model's total_kv_heads
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -54,8 +82,8 @@ class KVCacheSpec:
 
 
 def kernel_shapes(config, hf_config) -> KernelShapes:
-    """What the kernel tuner measures for this engine config and model: its shapes,
-    dtypes, KV cache dtype and FP8 weight format."""
+    """What the kernel tuner measures for this engine config and model: one rank's
+    shapes, dtypes, KV cache dtype and FP8 weight format."""
     quant = quantization_of(hf_config, config.quantization)
     # the unfused layers' format: a per-tensor checkpoint's fused qkv / gate_up are
     # per-channel, the same kernels with a row of scales
@@ -66,11 +94,17 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
         config.torch_dtype_name,
         kv_cache_dtype="fp8_e4m3" if config.kv_cache_fp8 else "auto",
         weight_quant=weight_quant_tag(fmt),
+        tp_size=config.tensor_parallel_size,
     )
 
 
 class ModelRunner:
-    def __init__(self, config, hf_config, model_path, max_model_len: int, phases=None):
+    # calls whose return value a rank sends back to rank 0
+    REPLYING_CALLS = frozenset({"kv_memory_budget"})
+
+    def __init__(self, config, hf_config, model_path, max_model_len: int, phases=None, tp=None):
+        """tp: this rank's group (ranks 1.. get it from tp_ranks); rank 0 passes None
+        and starts the other ranks itself when config.tensor_parallel_size > 1."""
         phases = phases or StartupPhases()
         self.config = config
         self.device = torch.device(config.device)
@@ -86,6 +120,13 @@ class ModelRunner:
             tuning = dict(shapes=shapes, device=self.device, choices=config.kernel_choices)
         with phases.phase("kernel_tuning" if backend == "tuned" else "kernel_backend"):
             self.ops = get_backend(backend, **tuning)
+        self.ranks: TPRanks | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            # after tuning: the other ranks find rank 0's choices in the tuning cache
+            with phases.phase("tp_ranks"):
+                self.ranks = TPRanks(type(self), config, model_path, max_model_len)
+            tp = self.ranks.group
+        self.tp = tp or TPGroup()
         with phases.phase("weights"):
             self.model = load_model(
                 hf_config,
@@ -97,6 +138,7 @@ class ModelRunner:
                 load_format=config.load_format,
                 seed=config.seed,
                 quantization=config.quantization,
+                tp=self.tp,
             )
         attn = self.model.attention_layers()[0]
         k_scales, v_scales = self._kv_scales()
@@ -108,6 +150,9 @@ class ModelRunner:
             dtype=FP8_KV_DTYPE if config.kv_cache_fp8 else self.dtype,
             k_scales=k_scales,
             v_scales=v_scales,
+            tp_size=self.tp.size,
+            tp_rank=self.tp.rank,
+            total_kv_heads=attn.total_kv_heads,
         )
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
@@ -133,9 +178,30 @@ class ModelRunner:
             a.v_scale = 1.0 if a.v_scale is None else a.v_scale
         return tuple(a.k_scale for a in layers), tuple(a.v_scale for a in layers)
 
+    # -- set-up (every rank) ------------------------------------------------------------
+
+    def _mirror(self, method: str, *args) -> None:
+        """Rank 0: have the other ranks make this call too (a no-op without TP)."""
+        if self.ranks is not None:
+            self.ranks.call(method, *args)
+
+    def kv_memory_budget(self) -> int:
+        """Bytes this rank can give its KV cache: a GPU's free memory less headroom
+        for activations, or kv_cache_memory_gb on CPU. Rank 0 returns the smallest
+        over the ranks (they hold equal shares, so the smallest rank decides)."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int((free - (2 << 30)) * 0.9)
+        else:
+            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        if self.ranks is not None:
+            budget = min([budget, *self.ranks.gather("kv_memory_budget")])
+        return budget
+
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (after the KV cache exists). A no-op on CPU, with
-        enforce_eager, or with a kernel backend that cannot be captured."""
+        enforce_eager, or with a kernel backend that cannot be captured. Every rank
+        captures the same sizes: each graph holds its rank's collectives."""
         c = self.config
         if (
             self.device.type != "cuda"
@@ -143,6 +209,7 @@ class ModelRunner:
             or c.kernel_backend_name not in GRAPH_BACKENDS
         ):
             return
+        self._mirror("capture_cuda_graphs", max_model_len)
         self.graph_runner = CUDAGraphRunner(
             self.model,
             self.ops,
@@ -155,20 +222,29 @@ class ModelRunner:
             self.graph_runner.capture()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._mirror("allocate_kv_cache", num_blocks)
         s = self.kv_spec
         self.kv_cache = torch.zeros(
             num_blocks,
+            s.num_kv_heads,
             s.num_layers,
             2,
             s.block_size,
-            s.num_kv_heads,
             s.head_dim,
             dtype=s.dtype,
             device=self.device,
         )
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache = self.kv_cache[:, i, 0]
-            layer.v_cache = self.kv_cache[:, i, 1]
+            # the kernels' [num_blocks, block_size, heads, head_dim], as strided views
+            layer.k_cache = self.kv_cache[:, :, i, 0].transpose(1, 2)
+            layer.v_cache = self.kv_cache[:, :, i, 1].transpose(1, 2)
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0; idempotent)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    # -- steps (rank 0 decides; every rank runs the model) ------------------------------
 
     @torch.inference_mode()
     def execute(
@@ -177,44 +253,69 @@ class ModelRunner:
         """Run one step. `sampling` lists, in batch order, the sequences whose prefill
         completes this step (they get a next token); returns None if there are none."""
         with _on_device(self.device):
-            return self._execute(batch, sampling)
+            if self._graph_eligible(batch):
+                seqs = [item.seq for item in batch]
+                ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+                rows = self._decode_rows(seqs)
+                self._mirror("run_graph", ids, *rows)
+                return self.sampler(self.run_graph(ids, *rows), sampling)
+            step = self._prepare(batch)
+            self._mirror("forward", step)
+            prompt_logits, logits = self.forward(step)
+            prompt_lps = self._prompt_logprobs(batch, prompt_logits)
+            if logits is None:
+                return SamplerOutput([], [], prompt_lps) if prompt_lps else None
+            out = self.sampler(logits, sampling)
+            out.prompt_logprobs = prompt_lps
+            return out
 
-    def _execute(self, batch, sampling):
-        if self._graph_eligible(batch):
-            logits = self._run_graph(batch)
-            return self.sampler(logits, sampling)
-        input_ids, positions, meta, logits_rows = self._prepare(batch)
-        self.ops.prepare_attention(meta)
-        hidden = self.model(input_ids, positions, meta)
-        prompt_lps = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q_cpu)
-        if not logits_rows:
-            return SamplerOutput([], [], prompt_lps) if prompt_lps else None
-        rows = torch.tensor(logits_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        out = self.sampler(logits, sampling)
-        out.prompt_logprobs = prompt_lps
-        return out
+    @torch.inference_mode()
+    def forward(self, step: StepInput):
+        """The model over one step: (logits of each prompt_rows range, logits of
+        logits_rows or None). Every rank calls it with the same step."""
+        with _on_device(self.device):
+            dev = self.device
+            meta = self._metadata(step.slots, step.cu_seqlens, step.seq_lens, step.block_tables)
+            ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
+            pos = torch.tensor(step.positions, dtype=torch.int64, device=dev)
+            self.ops.prepare_attention(meta)
+            hidden = self.model(ids, pos, meta)
+            prompt = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
+            if not step.logits_rows:
+                return prompt, None
+            rows = torch.tensor(step.logits_rows, device=dev)
+            return prompt, self.model.compute_logits(hidden[rows])
 
-    def _prompt_logprobs(self, batch, hidden, cu_seqlens) -> dict[str, list]:
-        """For each sequence that asks for prompt logprobs: the logprobs of the prompt
-        tokens this chunk predicts (position p predicts token p + 1), skipping those
-        already collected (a recompute after preemption). Every chunk contributes."""
+    @torch.inference_mode()
+    def run_graph(self, ids, pos, slots, lens, tables, device_input=None) -> torch.Tensor:
+        with _on_device(self.device):
+            return self.graph_runner.run(ids, pos, slots, lens, tables, device_input)
+
+    def _prompt_logprobs(self, batch, logits: list) -> dict[str, list]:
         out = {}
-        for item, row0 in zip(batch, cu_seqlens):
-            seq = item.seq
-            if not seq.needs_prompt_logprobs:
-                continue
-            start = seq.num_computed_tokens
-            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # first target token
-            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+        chunks = iter(logits)
+        for seq, first, last in self._prompt_targets(batch):
             if first > last:
                 continue
-            rows = hidden[row0 + first - 1 - start : row0 + last - start]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            logprobs = torch.log_softmax(next(chunks).float(), dim=-1)
             targets = seq.token_ids[first : last + 1]
             entries = prompt_logprobs(logprobs, targets, seq.params.prompt_logprobs)
             out[seq.seq_id] = list(zip(targets, entries))
         return out
+
+    def _prompt_targets(self, batch):
+        """Per sequence: (seq, first, last) prompt tokens whose logprobs this chunk
+        gives (position p predicts token p + 1), skipping those already collected (a
+        recompute after preemption); first > last: none. Every chunk contributes."""
+        for item in batch:
+            seq = item.seq
+            if not seq.needs_prompt_logprobs:
+                yield seq, 1, 0
+                continue
+            start = seq.num_computed_tokens
+            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # first target token
+            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            yield seq, first, last
 
     def _graph_eligible(self, batch: list[ScheduledSeq]) -> bool:
         g = self.graph_runner
@@ -223,11 +324,6 @@ class ModelRunner:
         ):
             return False
         return g.can_run(len(batch), max(item.seq.num_computed_tokens + 1 for item in batch))
-
-    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        seqs = [item.seq for item in batch]
-        ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
-        return self.graph_runner.run(ids, *self._decode_rows(seqs))
 
     def _decode_rows(self, seqs):
         """Positions, slots, lengths and block tables of one new token per sequence,
@@ -255,28 +351,47 @@ class ModelRunner:
         alone). Each sequence computes the token at its position num_computed_tokens;
         its input id is that token, or with prev_tokens, prev_tokens[prev_rows[i]]:
         the previous step's samples, not on the host yet."""
+        ids = None
+        if prev_tokens is None:
+            ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+        rows = self._decode_rows(seqs)
+        self._mirror("decode_logits", ids, *rows)
+        logits = self.decode_logits(ids, *rows, prev_tokens, prev_rows)
         with _on_device(self.device):
-            ids = None
-            if prev_tokens is None:
-                ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
-            pos, slots, lens, tables = self._decode_rows(seqs)
+            return DeviceTokens(self.sampler.sample(logits, sampling))
+
+    @torch.inference_mode()
+    def decode_logits(
+        self, ids, pos, slots, lens, tables, prev_tokens=None, prev_rows=None
+    ) -> torch.Tensor:
+        """The logits of one decode step (every rank). ids None: the input ids are
+        rank 0's prev_tokens[prev_rows], broadcast to the other ranks on the device."""
+        with _on_device(self.device):
+            device_input = None
+            if ids is None:
+                if self.tp.size > 1:  # rank 0's samples, never through the host
+                    n = len(pos)
+                    x = (
+                        prev_tokens[torch.tensor(prev_rows, device=self.device)]
+                        if self.tp.is_driver
+                        else torch.empty(n, dtype=torch.int64, device=self.device)
+                    )
+                    prev_tokens, prev_rows = self.tp.broadcast(x), list(range(n))
+                device_input = (prev_tokens, prev_rows)
             g = self.graph_runner
-            if g is not None and g.can_run(len(seqs), max(lens)):
-                device_input = None if prev_tokens is None else (prev_tokens, prev_rows)
-                logits = g.run(ids, pos, slots, lens, tables, device_input)
-                return DeviceTokens(self.sampler.sample(logits, sampling))
-            meta = self._metadata(slots, list(range(len(seqs) + 1)), lens, tables)
-            if prev_tokens is None:
+            if g is not None and g.can_run(len(pos), max(lens)):
+                return g.run(ids, pos, slots, lens, tables, device_input)
+            meta = self._metadata(slots, list(range(len(pos) + 1)), lens, tables)
+            if device_input is None:
                 input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
             else:
                 input_ids = prev_tokens[torch.tensor(prev_rows, device=self.device)]
             positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
             self.ops.prepare_attention(meta)
             hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden)
-            return DeviceTokens(self.sampler.sample(logits, sampling))
+            return self.model.compute_logits(hidden)
 
-    def _prepare(self, batch: list[ScheduledSeq]):
+    def _prepare(self, batch: list[ScheduledSeq]) -> StepInput:
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -295,10 +410,15 @@ class ModelRunner:
             seq_lens.append(end)
             if item.completes_prefill:
                 logits_rows.append(cu_seqlens[-1] - 1)
-        meta = self._metadata(slots, cu_seqlens, seq_lens, [item.seq.block_table for item in batch])
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return ids, pos, meta, logits_rows
+        prompt_rows = [
+            (row0 + first - 1 - seq.num_computed_tokens, row0 + last - seq.num_computed_tokens)
+            for row0, (seq, first, last) in zip(cu_seqlens, self._prompt_targets(batch))
+            if first <= last
+        ]
+        tables = [item.seq.block_table for item in batch]
+        return StepInput(
+            input_ids, positions, slots, cu_seqlens, seq_lens, tables, logits_rows, prompt_rows
+        )
 
     def _metadata(self, slots, cu_seqlens, seq_lens, block_tables) -> AttentionMetadata:
         dev = self.device

@@ -165,7 +165,10 @@ class KernelShapes:
         dtype: str,
         kv_cache_dtype: str = "auto",
         weight_quant: str = "",
+        tp_size: int = 1,
     ) -> KernelShapes:
+        """One tensor-parallel rank's shapes: its query and KV heads (one KV head when
+        there are more ranks than KV heads) and its share of the MLP widths."""
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         # Qwen3-MoE: num_experts / moe_intermediate_size; Mixtral: num_local_experts and
@@ -179,15 +182,17 @@ class KernelShapes:
             moe_intermediate_size=(
                 getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
             )
+            // tp_size
             if experts
             else 0,
         )
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         return cls(
             hidden_size=hf_config.hidden_size,
-            num_q_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            num_q_heads=heads // tp_size,
+            num_kv_heads=max(1, kv_heads // tp_size),
             head_dim=head_dim,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=hf_config.intermediate_size // tp_size,
             block_size=block_size,
             dtype=dtype,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),

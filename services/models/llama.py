@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from services.kernels import AttentionMetadata, KernelBackend
+from services.models.layers import (
+    ColumnParallelLinear,
+    Linear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from services.models.rope import cos_sin_cache, rope_parameters
+from services.models.tensor_parallel import TPGroup
 
-
-class Linear(nn.Linear):
-    """nn.Linear whose matmul is the kernel backend's choice (layout per shape)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend):
-        super().__init__(in_features, out_features, bias=bias)
-        self.ops = ops
-
-    def forward(self, x):
-        return self.ops.linear(x, self)
+__all__ = ["Attention", "DecoderLayer", "Linear", "LlamaForCausalLM", "MLP", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -38,20 +38,29 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache. The runner points k_cache / v_cache at
-    this layer's slice of the shared cache after allocating it."""
+    this layer's slice of the shared cache after allocating it. Under tensor
+    parallelism a rank computes its query heads over the KV heads it holds
+    (num_heads / num_kv_heads are this rank's)."""
 
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool, tp: TPGroup):
         super().__init__()
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, total_kv, bias, ops, tp
+        )
+        self.num_heads = total_heads // tp.size
+        self.num_kv_heads = len(self.qkv_proj.kv_heads)  # this rank's
+        self.total_kv_heads = total_kv
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias, ops)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias, ops)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, bias, ops, tp
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_cache = torch.empty(0)
@@ -78,21 +87,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, ops: KernelBackend):
+    def __init__(self, config, ops: KernelBackend, tp: TPGroup):
         super().__init__()
         self.ops = ops
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, ops)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, 2 * inter, bias, ops, tp, shards={0: inter, 1: inter}
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ops, tp)
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool, mlp: nn.Module):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool, mlp: nn.Module, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(config, ops, qk_norm)
+        self.self_attn = Attention(config, ops, qk_norm, tp)
         self.mlp = mlp  # dense MLP, or a mixture of experts (moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -109,11 +121,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool, make_mlp):
+    def __init__(self, config, ops: KernelBackend, qk_norm: bool, make_mlp, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, qk_norm, make_mlp(config, ops, i))
+            DecoderLayer(config, ops, qk_norm, make_mlp(config, ops, i), tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -143,18 +155,19 @@ class LlamaForCausalLM(nn.Module):
     # MoE families: a per-expert checkpoint tensor name -> (stacked parameter, shard)
     expert_modules: dict[str, tuple[str, int | None]] = {}
 
-    def __init__(self, config, ops: KernelBackend):
+    def __init__(self, config, ops: KernelBackend, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ops, self.qk_norm, self.make_mlp)
+        self.tp = tp or TPGroup()
+        self.model = LlamaModel(config, ops, self.qk_norm, self.make_mlp, self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ops, self.tp)
         self.tie_weights()
         self.cos_sin_cache = torch.empty(0)
 
     def make_mlp(self, config, ops: KernelBackend, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer layer_idx (MoE families override this)."""
-        return MLP(config, ops)
+        return MLP(config, ops, self.tp)
 
     def tie_weights(self) -> None:
         # Module._apply (to_empty, .to) may replace parameters one module at a time,
@@ -177,11 +190,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def shard_slice(self, fused_name: str, shard) -> tuple[int, int]:
-        """Row range of the fused parameter that a checkpoint shard fills."""
+        """Row range of this rank's fused parameter that a checkpoint shard fills."""
         attn = self.model.layers[0].self_attn
         if fused_name == "qkv_proj":
             starts = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
             sizes = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
             return starts[shard], sizes[shard]
-        inter = self.config.intermediate_size
+        inter = self.config.intermediate_size // self.tp.size
         return shard * inter, inter

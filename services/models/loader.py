@@ -20,10 +20,11 @@ from services.kernels.fp8 import FP8_DTYPE, fp8_format_of
 from services.models import default_model
 from services.models.fp8_linear import Fp8Linear
 from services.models.kv_scales import kv_scale_name, load_kv_scale
-from services.models.llama import Linear
+from services.models.layers import Linear, ParallelLMHead
 from services.models.moe import FusedMoE
 from services.models.quantization import QuantConfig, quantization_of
 from services.models.registry import model_class
+from services.models.tensor_parallel import TPGroup, check_split
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,13 @@ def load_hf_config(model_path: Path):
     return AutoConfig.from_pretrained(model_path)
 
 
-def check_supported(hf_config, max_model_len: int, quantization: str | None = None) -> None:
+def check_supported(
+    hf_config, max_model_len: int, quantization: str | None = None, tp_size: int = 1
+) -> None:
     """Refuse, naming the config.json key, what this engine would otherwise compute
-    differently from the checkpoint's own model."""
-    quantization_of(hf_config, quantization)  # raises for an unsupported method
+    differently from the checkpoint's own model, or cannot split over tp_size ranks."""
+    quant = quantization_of(hf_config, quantization)  # raises for an unsupported method
+    _check_tp(hf_config, quant, tp_size)
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
         # attention covers the whole context here, which equals windowed attention only
@@ -62,6 +66,15 @@ def check_supported(hf_config, max_model_len: int, quantization: str | None = No
             f"sliding_window={window} (config.json): attention here covers the whole "
             f"context, which equals the model's only up to {window} tokens; max_model_len "
             f"is {max_model_len}: pass --max-model-len {window} (or less)"
+        )
+
+
+def _check_tp(hf_config, quant: QuantConfig | None, tp_size: int) -> None:
+    check_split(hf_config, tp_size)
+    if quant is not None and tp_size > 1:
+        raise ValueError(
+            f"FP8 weights ({quant.method}) with tensor_parallel_size {tp_size}: FP8 layers "
+            "are not split across ranks yet; serve this model with tensor_parallel_size 1"
         )
 
 
@@ -76,14 +89,19 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    tp: TPGroup | None = None,
 ):
+    """tp: this rank's tensor-parallel group; the model holds its share of the weights
+    (each layer takes its slice of the checkpoint's tensors)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = quantization_of(hf_config, quantization)
+    tp = tp or TPGroup()
+    _check_tp(hf_config, quant, tp.size)
     cls = model_class(hf_config)
     # Build on the meta device: skips the random init of every Linear (seconds on CPU).
     with torch.device("meta"):
-        model = cls(hf_config, ops)
+        model = cls(hf_config, ops, tp)
     model.to(dtype)  # free on meta; allocating in the final dtype halves peak memory
     if quant is not None:  # after .to(dtype), which would cast FP8 weights and scales
         _use_fp8_linears(model, quant)
@@ -112,7 +130,11 @@ def _use_fp8_linears(model, quant: QuantConfig) -> None:
     routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
     swapped = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not Linear or name == "lm_head" or id(module) in routers:
+        if (
+            not isinstance(module, Linear)
+            or isinstance(module, ParallelLMHead)
+            or id(module) in routers
+        ):
             continue
         names = _checkpoint_names(model, name)
         if not quant.quantizes(names, name):
@@ -295,6 +317,9 @@ def _load_tensor(
             "config leaves its layer unquantized (ignore / modules_to_not_convert, or a layer "
             "that stays in full precision: embeddings, LM head, MoE router)"
         )
+    slicer = getattr(layer, "checkpoint_slice", None)
+    if slicer is not None:  # this rank's part (all of it without tensor parallelism)
+        tensor = slicer(leaf, shard, tensor)
     if rows is not None:
         start, size = rows
         _copy(params[target].data[start : start + size], tensor, original)

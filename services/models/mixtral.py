@@ -23,4 +23,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
             config.intermediate_size,
             True,
             ops,
+            self.tp,
         )

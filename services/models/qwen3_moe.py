@@ -21,7 +21,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             and (layer_idx + 1) % config.decoder_sparse_step == 0
         )
         if not sparse:
-            return MLP(config, ops)
+            return MLP(config, ops, self.tp)
         return FusedMoE(
             config.num_experts,
             config.num_experts_per_tok,
@@ -29,6 +29,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             config.moe_intermediate_size,
             bool(config.norm_topk_prob),
             ops,
+            self.tp,
         )
 
 

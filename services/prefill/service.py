@@ -52,10 +52,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Handshake(self, request, context):
         peer = convert.agent_from_pb(request.decode_agent)
-        self.ctx.connector.add_peer(peer)  # KVLayoutMismatch: FAILED_PRECONDITION
+        ranks = [convert.agent_from_pb(a) for a in request.decode_rank_agents]
+        kv = self.ctx.connector
+        kv.add_peer(peer, ranks)  # KVLayoutMismatch: FAILED_PRECONDITION
         return prefill_pb2.HandshakeResponse(
-            prefill_agent=convert.agent_to_pb(self.ctx.connector.agent_info()),
+            prefill_agent=convert.agent_to_pb(kv.agent_info()),
             model=self.ctx.engine_config.model,
+            prefill_rank_agents=[convert.agent_to_pb(a) for a in kv.rank_agents],
         )
 
     async def Prefill(self, request, context):

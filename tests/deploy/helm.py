@@ -12,6 +12,7 @@ CHART = ROOT / "k8s" / "helm" / "pdserve"
 EXAMPLES = ROOT / "k8s" / "examples"
 KUBE_VERSION = "1.33.0"
 RELEASE, NAMESPACE = "llm", "serving"
+POD_IP = "10.1.2.3"  # $(POD_IP) in worker args
 # Prometheus Operator CRDs: kubernetes-validate has no schema for them
 CRD_KINDS = {"PodMonitor", "ServiceMonitor"}
 
@@ -89,3 +90,28 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
         assert "$(" not in arg, f"unexpanded variable in {arg!r}"
         out.append(arg)
     return out
+
+
+def worker_cli(deployment: dict):
+    """Parse a worker's args with pdserve's own parser, as the container would."""
+    from pdserve.cli import build_parser
+    from services.common.settings import WorkerSettings
+
+    args = container(deployment)["args"]
+    assert args[0] == "pdserve"
+    parsed = build_parser().parse_args(expand(args[1:], {"POD_IP": POD_IP}))
+    settings = {
+        "transfer_protocol": parsed.transfer_protocol,
+        "transfer_hostname": parsed.transfer_hostname,
+        "port": parsed.port,
+        "metrics_port": parsed.metrics_port,
+    }
+    if parsed.command == "decode":
+        settings["prefill_failure_policy"] = parsed.prefill_failure_policy
+    WorkerSettings(**settings)  # validates protocol, ports, policy
+    return parsed
+
+
+def resources(dep: dict) -> tuple[dict, dict]:
+    res = container(dep)["resources"]
+    return res.get("requests", {}), res.get("limits", {})

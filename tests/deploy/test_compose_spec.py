@@ -116,7 +116,7 @@ def test_gpu_override():
         args = _parse(svc["command"])
         assert args.port == port and args.transfer_hostname == role
         assert args.transfer_protocol == "nvlink_intra"
-        assert args.device.startswith("cuda:")
+        assert args.device.startswith("cuda:") and args.tensor_parallel_size == 1
         gpus[role] = args.device
         assert compose.environment(svc)["MC_INTRANODE_NVLINK"] == "1"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -144,3 +144,25 @@ def test_gpu_override():
         env={"PDSERVE_PREFILL_GPU": "0", "PDSERVE_DECODE_GPU": "0"},
     )
     assert _parse(one_gpu["services"]["decode"]["command"]).device == "cuda:0"
+
+
+def test_gpu_override_tensor_parallel():
+    """PDSERVE_PREFILL_TP / PDSERVE_DECODE_TP reach --tensor-parallel-size; the header's
+    4-GPU example gives the two workers disjoint GPU ranges (as `pdserve up` reckons
+    them), all visible to both (count: all) for NVLink."""
+    from pdserve.launcher import gpu_range
+
+    env = {"PDSERVE_PREFILL_TP": "2", "PDSERVE_DECODE_TP": "2", "PDSERVE_DECODE_GPU": "2"}
+    assert "PDSERVE_PREFILL_TP=2 PDSERVE_DECODE_TP=2 PDSERVE_DECODE_GPU=2" in (
+        compose.GPU_OVERRIDE.read_text()
+    )
+    doc = compose.load_merged(compose.COMPOSE_FILE, compose.GPU_OVERRIDE, env=env)
+    ranges = {}
+    for role in WORKERS:
+        svc = doc["services"][role]
+        args = _parse(svc["command"])
+        assert args.tensor_parallel_size == 2
+        ranges[role] = set(gpu_range(args.device, args.tensor_parallel_size))
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["count"] == "all" and svc["ipc"] == "host"  # NCCL's /dev/shm too
+    assert ranges == {"prefill": {0, 1}, "decode": {2, 3}}

@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 from tests.deploy import helm
-from tests.deploy.helm import container, find, kinds, name
+from tests.deploy.helm import POD_IP, container, find, kinds, name
+from tests.deploy.helm import resources as _resources
+from tests.deploy.helm import worker_cli as _worker_cli
 
 pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
 pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
@@ -22,11 +24,10 @@ pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-valida
 EXAMPLES = [p.stem for p in helm.example_files()]
 SHAPES = [None, *EXAMPLES]  # None: the chart defaults
 BAD_VALUES = Path(__file__).parent / "bad-values.yaml"
-POD_IP = "10.1.2.3"
 
 
 def test_examples_present():
-    assert {"cpu-demo", "1p1d-one-gpu-node", "xpyd-rdma"} <= set(EXAMPLES)
+    assert {"cpu-demo", "1p1d-one-gpu-node", "xpyd-rdma", "tp-llama-70b"} <= set(EXAMPLES)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")
@@ -55,26 +56,6 @@ def test_manifests_validate_against_kubernetes(shape):
         assert doc["metadata"].get("namespace") in (None, helm.NAMESPACE)
 
 
-def _worker_cli(deployment: dict):
-    """Parse a worker's args with pdserve's own parser, as the container would."""
-    from pdserve.cli import build_parser
-    from services.common.settings import WorkerSettings
-
-    args = container(deployment)["args"]
-    assert args[0] == "pdserve"
-    parsed = build_parser().parse_args(helm.expand(args[1:], {"POD_IP": POD_IP}))
-    settings = {
-        "transfer_protocol": parsed.transfer_protocol,
-        "transfer_hostname": parsed.transfer_hostname,
-        "port": parsed.port,
-        "metrics_port": parsed.metrics_port,
-    }
-    if parsed.command == "decode":
-        settings["prefill_failure_policy"] = parsed.prefill_failure_policy
-    WorkerSettings(**settings)  # validates protocol, ports, policy
-    return parsed
-
-
 def _router_cli(docs: list[dict]):
     """The router's args after Kubernetes expands $(VAR) from its ConfigMap, parsed and
     turned into a RouterConfig by the router's own code."""
@@ -89,11 +70,6 @@ def _router_cli(docs: list[dict]):
     assert args[:2] == ["pdserve", "router"]
     parsed = build_parser().parse_args(args[1:])
     return parsed, config_from_args(parsed)
-
-
-def _resources(dep: dict) -> tuple[dict, dict]:
-    res = container(dep)["resources"]
-    return res.get("requests", {}), res.get("limits", {})
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")

@@ -131,9 +131,12 @@ def test_checkpoint_kv_scales(tmp_path, caplog):
         assert a.output.token_ids == b.output.token_ids
         for i, t in enumerate(a.output.token_ids):
             assert abs(a.output.logprobs[i][t].logprob - b.output.logprobs[i][t].logprob) < 0.01
+
     # and the cache really holds value / scale: 8x (layer 0's K) the unscaled bytes
-    k0 = llm.engine.runner.kv_cache[:, 0, 0].float().abs().max()
-    assert k0 == 8 * unscaled.engine.runner.kv_cache[:, 0, 0].float().abs().max()
+    def layer0_k(engine):
+        return engine.runner.model.attention_layers()[0].k_cache.float().abs().max()
+
+    assert layer0_k(llm.engine) == 8 * layer0_k(unscaled.engine)
     assert_all_blocks_free(llm)
 
     # with the KV in the model's dtype the scales are unused, and the log says so

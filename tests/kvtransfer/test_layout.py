@@ -17,7 +17,7 @@ from kvtransfer import (
     coalesce,
     create_connector,
 )
-from kvtransfer.layout import batched, to_regions
+from kvtransfer.layout import batched, kv_heads_of_rank, to_regions
 
 SMOL = dict(num_blocks=100, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
@@ -41,6 +41,10 @@ def test_block_bytes_from_dtype():
         {"dtype": "float128"},
         {"dtype": 4},
         {"layout": "layer_major"},
+        {"layout": "block_major"},  # the old heads-innermost layout: other byte order
+        {"tp_size": 0},
+        {"tp_rank": -1},
+        {"total_kv_heads": -3},
     ],
 )
 def test_layout_rejects_bad_fields(change):
@@ -67,9 +71,9 @@ def test_mismatch_names_every_differing_field():
     )
     with pytest.raises(KVLayoutMismatch) as err:
         check_compatible(local, remote)
-    assert set(err.value.fields) == {"block_size", "dtype", "num_kv_heads", "head_dim"}
+    assert set(err.value.fields) == {"block_size", "dtype", "total_kv_heads", "head_dim"}
     msg = str(err.value)
-    for name in ("block_size", "dtype", "num_kv_heads", "head_dim"):
+    for name in ("block_size", "dtype", "total_kv_heads", "head_dim"):
         assert name in msg
     assert "num_layers" not in msg and "num_blocks" not in msg
     assert "local=16 remote=32" in msg
@@ -222,3 +226,100 @@ def test_kv_dtype_and_scale_mismatches_are_named():
         check_compatible(fp8, other)
     assert err.value.fields == ("v_scales",)
     assert "v_scales: layer 7 local=0.5 remote=0.25" in str(err.value)
+
+
+# ---- tensor parallelism: which KV heads a rank holds ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "total,tp,expected",
+    [
+        (8, 1, [range(0, 8)]),
+        (8, 2, [range(0, 4), range(4, 8)]),
+        (4, 4, [range(i, i + 1) for i in range(4)]),
+        # more ranks than heads: each head replicated on consecutive ranks
+        (2, 4, [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]),
+        (1, 3, [range(0, 1)] * 3),
+    ],
+)
+def test_kv_heads_of_rank(total, tp, expected):
+    assert [kv_heads_of_rank(total, tp, r) for r in range(tp)] == expected
+
+
+@pytest.mark.parametrize(
+    "total,tp,match",
+    [
+        (6, 4, "total_kv_heads 6 is not divisible by tp_size 4"),
+        (3, 2, "total_kv_heads 3 is not divisible by tp_size 2"),
+        (3, 4, "tp_size 4 is not a multiple of total_kv_heads 3"),
+        (0, 1, "total_kv_heads must be >= 1"),
+    ],
+)
+def test_kv_heads_of_rank_refuses_impossible_pairs(total, tp, match):
+    with pytest.raises(ValueError, match=match):
+        kv_heads_of_rank(total, tp, 0)
+
+
+def tp_layout(tp_size: int, tp_rank: int, total: int = 4, **kw) -> KVLayout:
+    heads = len(kv_heads_of_rank(total, tp_size, tp_rank))
+    base = {**SMOL, "num_kv_heads": heads, **kw}
+    return KVLayout(**base, tp_size=tp_size, tp_rank=tp_rank, total_kv_heads=total)
+
+
+def test_tp_layout_fields_and_sizes():
+    lay = tp_layout(2, 1, total=8)
+    assert lay.kv_heads == range(4, 8) and lay.num_kv_heads == 4
+    assert lay.head_bytes == 30 * 2 * 16 * 64 * 2
+    assert lay.block_bytes == 4 * lay.head_bytes
+    single = KVLayout(**SMOL)  # total_kv_heads 0 means num_kv_heads: no TP
+    assert (single.tp_size, single.tp_rank, single.total_kv_heads) == (1, 0, 3)
+    assert single.kv_heads == range(3) and single.layout == "block_head_major"
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (
+            dict(num_kv_heads=2, tp_size=2, tp_rank=2, total_kv_heads=4),
+            "tp_rank 2 must be < tp_size 2",
+        ),
+        (
+            dict(num_kv_heads=4, tp_size=2, tp_rank=1, total_kv_heads=4),
+            "num_kv_heads 4 does not match the 2 heads that tp_rank 1 of tp_size 2",
+        ),
+        (dict(num_kv_heads=2, tp_size=2, tp_rank=0), "num_kv_heads 2 does not match the 1 heads"),
+        (dict(num_kv_heads=1, tp_size=3, total_kv_heads=2), "tp_size 3 is not a multiple"),
+    ],
+)
+def test_tp_layout_validation_names_the_fields(kw, match):
+    with pytest.raises(ValueError, match=match):
+        KVLayout(**{**SMOL, **kw})
+
+
+def test_compatible_across_tp_degrees():
+    # a TP=2 rank and a single rank hold different head counts of the same model
+    check_compatible(tp_layout(2, 1), tp_layout(1, 0, num_blocks=7))
+    check_compatible(tp_layout(4, 3, total=2), tp_layout(1, 0, total=2))
+
+
+def test_tp_mismatches_are_named():
+    with pytest.raises(KVLayoutMismatch) as err:
+        check_compatible(tp_layout(2, 0, total=4), tp_layout(2, 0, total=8))
+    assert err.value.fields == ("total_kv_heads",)
+    assert "total_kv_heads: local=4 remote=8" in str(err.value)
+    with pytest.raises(KVLayoutMismatch) as err:
+        check_compatible(tp_layout(2, 0), tp_layout(4, 1, head_dim=128, dtype="float16"))
+    assert set(err.value.fields) == {"head_dim", "dtype"}
+    assert "head_dim: local=64 remote=128" in str(err.value)
+
+
+def test_tp_layout_dict_roundtrip_and_old_dicts():
+    lay = tp_layout(4, 3, total=8)
+    data = json.loads(json.dumps(lay.to_dict()))
+    assert (data["tp_size"], data["tp_rank"], data["total_kv_heads"]) == (4, 3, 8)
+    assert KVLayout.from_dict(data) == lay
+    # a peer that predates TP sends no TP keys: one rank holding every head
+    old = {
+        k: v for k, v in KVLayout(**SMOL).to_dict().items() if not k.startswith(("tp_", "total"))
+    }
+    assert KVLayout.from_dict(old) == KVLayout(**SMOL, tp_size=1, tp_rank=0, total_kv_heads=3)

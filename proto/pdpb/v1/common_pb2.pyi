@@ -143,7 +143,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout", "k_scales", "v_scales")
+    __slots__ = ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout", "k_scales", "v_scales", "tp_size", "tp_rank", "total_kv_heads")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class KVLayout(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     K_SCALES_FIELD_NUMBER: _ClassVar[int]
     V_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_layers: int
@@ -162,7 +165,10 @@ class KVLayout(_message.Message):
     layout: str
     k_scales: _containers.RepeatedScalarFieldContainer[float]
     v_scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    tp_size: int
+    tp_rank: int
+    total_kv_heads: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class KVAgentInfo(_message.Message):
     __slots__ = ("session_id", "base_addr", "layout", "backend", "protocol")

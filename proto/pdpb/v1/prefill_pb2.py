@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdpb.v1 import common_pb2 as pdpb_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdpb/v1/prefill.proto\x12\x07pdpb.v1\x1a\x14pdpb/v1/common.proto\">\n\x10HandshakeRequest\x12*\n\x0c\x64\x65\x63ode_agent\x18\x01 \x01(\x0b\x32\x14.pdpb.v1.KVAgentInfo\"O\n\x11HandshakeResponse\x12+\n\rprefill_agent\x18\x01 \x01(\x0b\x32\x14.pdpb.v1.KVAgentInfo\x12\r\n\x05model\x18\x02 \x01(\t\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x17.pdpb.v1.SamplingParams\x12\x19\n\x11\x64\x65\x63ode_session_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\"\xfb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12,\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x15.pdpb.v1.TokenLogprob\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12.\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x15.pdpb.v1.TokenLogprob2\x83\x02\n\x0ePrefillService\x12\x42\n\tHandshake\x12\x19.pdpb.v1.HandshakeRequest\x1a\x1a.pdpb.v1.HandshakeResponse\x12<\n\x07Prefill\x12\x17.pdpb.v1.PrefillRequest\x1a\x18.pdpb.v1.PrefillResponse\x12\x36\n\x05\x41\x62ort\x12\x15.pdpb.v1.AbortRequest\x1a\x16.pdpb.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x17.pdpb.v1.GetLoadRequest\x1a\x13.pdpb.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdpb/v1/prefill.proto\x12\x07pdpb.v1\x1a\x14pdpb/v1/common.proto\"p\n\x10HandshakeRequest\x12*\n\x0c\x64\x65\x63ode_agent\x18\x01 \x01(\x0b\x32\x14.pdpb.v1.KVAgentInfo\x12\x30\n\x12\x64\x65\x63ode_rank_agents\x18\x02 \x03(\x0b\x32\x14.pdpb.v1.KVAgentInfo\"\x82\x01\n\x11HandshakeResponse\x12+\n\rprefill_agent\x18\x01 \x01(\x0b\x32\x14.pdpb.v1.KVAgentInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x31\n\x13prefill_rank_agents\x18\x03 \x03(\x0b\x32\x14.pdpb.v1.KVAgentInfo\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x17.pdpb.v1.SamplingParams\x12\x19\n\x11\x64\x65\x63ode_session_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\"\xfb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12,\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x15.pdpb.v1.TokenLogprob\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12.\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x15.pdpb.v1.TokenLogprob2\x83\x02\n\x0ePrefillService\x12\x42\n\tHandshake\x12\x19.pdpb.v1.HandshakeRequest\x1a\x1a.pdpb.v1.HandshakeResponse\x12<\n\x07Prefill\x12\x17.pdpb.v1.PrefillRequest\x1a\x18.pdpb.v1.PrefillResponse\x12\x36\n\x05\x41\x62ort\x12\x15.pdpb.v1.AbortRequest\x1a\x16.pdpb.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x17.pdpb.v1.GetLoadRequest\x1a\x13.pdpb.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdpb.v1.prefill_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST']._serialized_start=56
-  _globals['_HANDSHAKEREQUEST']._serialized_end=118
-  _globals['_HANDSHAKERESPONSE']._serialized_start=120
-  _globals['_HANDSHAKERESPONSE']._serialized_end=199
-  _globals['_PREFILLREQUEST']._serialized_start=202
-  _globals['_PREFILLREQUEST']._serialized_end=387
-  _globals['_PREFILLRESPONSE']._serialized_start=390
-  _globals['_PREFILLRESPONSE']._serialized_end=641
-  _globals['_PREFILLSERVICE']._serialized_start=644
-  _globals['_PREFILLSERVICE']._serialized_end=903
+  _globals['_HANDSHAKEREQUEST']._serialized_end=168
+  _globals['_HANDSHAKERESPONSE']._serialized_start=171
+  _globals['_HANDSHAKERESPONSE']._serialized_end=301
+  _globals['_PREFILLREQUEST']._serialized_start=304
+  _globals['_PREFILLREQUEST']._serialized_end=489
+  _globals['_PREFILLRESPONSE']._serialized_start=492
+  _globals['_PREFILLRESPONSE']._serialized_end=743
+  _globals['_PREFILLSERVICE']._serialized_start=746
+  _globals['_PREFILLSERVICE']._serialized_end=1005
 # @@protoc_insertion_point(module_scope)

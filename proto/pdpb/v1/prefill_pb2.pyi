@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("decode_agent",)
+    __slots__ = ("decode_agent", "decode_rank_agents")
     DECODE_AGENT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RANK_AGENTS_FIELD_NUMBER: _ClassVar[int]
     decode_agent: _common_pb2.KVAgentInfo
-    def __init__(self, decode_agent: _Optional[_Union[_common_pb2.KVAgentInfo, _Mapping]] = ...) -> None: ...
+    decode_rank_agents: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVAgentInfo]
+    def __init__(self, decode_agent: _Optional[_Union[_common_pb2.KVAgentInfo, _Mapping]] = ..., decode_rank_agents: _Optional[_Iterable[_Union[_common_pb2.KVAgentInfo, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("prefill_agent", "model")
+    __slots__ = ("prefill_agent", "model", "prefill_rank_agents")
     PREFILL_AGENT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_AGENTS_FIELD_NUMBER: _ClassVar[int]
     prefill_agent: _common_pb2.KVAgentInfo
     model: str
-    def __init__(self, prefill_agent: _Optional[_Union[_common_pb2.KVAgentInfo, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    prefill_rank_agents: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVAgentInfo]
+    def __init__(self, prefill_agent: _Optional[_Union[_common_pb2.KVAgentInfo, _Mapping]] = ..., model: _Optional[str] = ..., prefill_rank_agents: _Optional[_Iterable[_Union[_common_pb2.KVAgentInfo, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "decode_session_id", "block_ids", "num_cached_tokens")

@@ -15,12 +15,19 @@ and PodMonitor. prefill.yaml and decode.yaml call it with the role as argument:
 {{- $e := $w.engine }}
 {{- $v := $root.Values }}
 {{- /* resources: the configured ones plus GPU, RDMA and huge pages */}}
+{{- /* the schema checks it too; this also holds with --skip-schema-validation */}}
+{{- $tp := int $w.tensorParallelSize }}
+{{- if or (lt $tp 1) (ne (toString $tp) (toString $w.tensorParallelSize)) }}
+{{- fail (printf "%s.tensorParallelSize must be a positive integer, got %v" $role $w.tensorParallelSize) }}
+{{- end }}
 {{- $res := deepCopy ($w.resources | default dict) }}
 {{- $limits := $res.limits | default dict }}
 {{- $requests := $res.requests | default dict }}
 {{- if gt (int $w.gpu.count) 0 }}
-{{- $_ := set $limits $w.gpu.resource (int $w.gpu.count) }}
-{{- $_ := set $requests $w.gpu.resource (int $w.gpu.count) }}
+{{- /* one GPU per tensor-parallel rank at least */}}
+{{- $gpus := max (int $w.gpu.count) $tp }}
+{{- $_ := set $limits $w.gpu.resource $gpus }}
+{{- $_ := set $requests $w.gpu.resource $gpus }}
 {{- end }}
 {{- if gt (int $w.rdma.count) 0 }}
 {{- $_ := set $limits $w.rdma.resource (int $w.rdma.count) }}
@@ -152,6 +159,8 @@ spec:
             {{- if $e.enforceEager }}
             - --enforce-eager
             {{- end }}
+            - --tensor-parallel-size
+            - {{ $tp | quote }}
             - --host
             - "0.0.0.0"
             - --port
@@ -247,6 +256,7 @@ spec:
               mountPath: /tmp
             - name: home
               mountPath: /home/pdserve
+            # NCCL between tensor-parallel ranks uses /dev/shm (shmSize)
             - name: shm
               mountPath: /dev/shm
             {{- if ne $v.model.source "bundled" }}
