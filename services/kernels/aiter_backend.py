@@ -188,6 +188,16 @@ class AiterBackend:
         self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
+        if x.dtype == torch.float32 and x.is_cuda:
+            # aiter's MoE dots take no input precision: on a GPU fp32 would run as tf32
+            if not self.fallbacks["fused_moe.fp32"]:
+                log.warning(
+                    "aiter backend: fp32 fused MoE runs the %s backend's kernel (aiter's "
+                    "would compute in tf32)",
+                    self.fallback.name,
+                )
+            self.fallbacks["fused_moe.fp32"] += 1
+            return self.fallback.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config)
         if self._moe is None:
             from services.kernels.aiter_moe import AiterFusedMoE  # lazy: MoE models only
 
@@ -210,15 +220,22 @@ class AiterBackend:
         )
 
     def supports_attention(self, q, k_cache) -> bool:
+        return self.attention_fallback_reason(q, k_cache) is None
+
+    def attention_fallback_reason(self, q, k_cache) -> str | None:
+        """Why aiter's unified attention cannot take this call (None: it can)."""
         block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-        return (
-            _pow2(block_size)
-            and block_size >= 16
-            and head_dim >= 16
-            and q.stride(-1) == 1
-            and q.dtype == k_cache.dtype
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        )
+        if not _pow2(block_size) or block_size < 16:
+            return "block_size"  # its tiles walk whole power-of-two blocks
+        if not _pow2(head_dim) or head_dim < 16:
+            return "head_dim"  # its segment-reduce kernel fails to compile otherwise
+        if q.stride(-1) != 1 or q.dtype != k_cache.dtype:
+            return "layout"
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return "dtype"
+        if q.dtype == torch.float32 and q.is_cuda:
+            return "fp32"  # its dots take no input precision: tf32 on a GPU
+        return None
 
     def paged_attention(
         self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
@@ -233,7 +250,20 @@ class AiterBackend:
             return self.fallback.paged_attention(
                 q, k_cache, v_cache, metadata, scale, k_scale, v_scale
             )
-        if not self.supports_attention(q, k_cache):
+        reason = self.attention_fallback_reason(q, k_cache)
+        if reason is not None:
+            key = f"paged_attention.{reason}"
+            if not self.fallbacks[key]:
+                log.warning(
+                    "aiter backend: paged attention runs the %s backend's kernel (%s: "
+                    "block size %d, head_dim %d, %s)",
+                    self.fallback.name,
+                    reason,
+                    k_cache.shape[1],
+                    k_cache.shape[3],
+                    q.dtype,
+                )
+            self.fallbacks[key] += 1
             return self.fallback.paged_attention(q, k_cache, v_cache, metadata, scale)
         if "aiter" not in metadata.backend_data:
             self.prepare_attention(metadata)

@@ -2,7 +2,12 @@
 (block-wise checkpoint, compressed-tensors per-channel checkpoint and online
 quantization; triton and aiter backends), and the engine on the GPU tracks
 transformers on the dequantized weights as on the CPU (tests/engine/
-test_fp8_checkpoints.py builds the checkpoints)."""
+test_fp8_checkpoints.py builds the checkpoints).
+
+Graphs against eager run fp32 activations: in bf16 these random models' logprobs move
+by 0.10-0.15 nats between two eager runs that only batch differently (measured on an
+H200, with and without FP8 weights alike), which would hide a capture bug; in fp32
+the two paths must agree closely."""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ def _graphs_equal_eager(qdir, backend, **extra):
             llm = LLM(
                 str(qdir),
                 device="cuda",
-                dtype="bfloat16",
+                dtype="float32",
                 kernel_backend=backend,
                 enforce_eager=eager,
                 cuda_graph_max_batch=32,
@@ -53,7 +58,7 @@ def _graphs_equal_eager(qdir, backend, **extra):
     for a, b in zip(results[True], results[False]):
         assert a.output.token_ids == b.output.token_ids
         for x, y, t in zip(a.output.logprobs, b.output.logprobs, a.output.token_ids):
-            assert abs(x[t].logprob - y[t].logprob) < 5e-2
+            assert abs(x[t].logprob - y[t].logprob) < 1e-3
 
 
 @pytest.mark.parametrize("backend", ["triton", "aiter"])

@@ -170,11 +170,13 @@ def test_aiter_unified_attention_on_strided_block_major_cache(aiter_backend, dev
             dtype=dtype,
             device=device,
         )
-        assert aiter_backend.supports_attention(q, k_cache)
+        # fp32 on a GPU: aiter's dots would be tf32, so the fallback's exact kernel runs
+        tf32 = dtype == torch.float32 and device == "cuda"
+        assert aiter_backend.supports_attention(q, k_cache) != tf32
+        before = aiter_backend.fallbacks["paged_attention.fp32"]
         out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, scale=0.2)
-        # fp32 on a GPU runs tl.dot in tf32 inside aiter: allow tf32-sized error
-        scale = 300.0 if (dtype == torch.float32 and device == "cuda") else 1.0
-        assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.2), dtype, scale)
+        assert aiter_backend.fallbacks["paged_attention.fp32"] == before + tf32
+        assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.2), dtype)
 
 
 @needs_aiter
@@ -189,9 +191,27 @@ def test_aiter_falls_back_for_block_size_1(aiter_backend, device):
         dtype=torch.float32,
         device=device,
     )
-    assert not aiter_backend.supports_attention(q, k_cache)
+    assert aiter_backend.attention_fallback_reason(q, k_cache) == "block_size"
+    before = aiter_backend.fallbacks["paged_attention.block_size"]
     out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, scale=0.25)
+    assert aiter_backend.fallbacks["paged_attention.block_size"] == before + 1
     assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.25), torch.float32)
+
+
+@needs_aiter
+def test_aiter_falls_back_for_head_dim_48(aiter_backend, device):
+    # aiter's segment-reduce kernel does not compile for a head_dim that is not a power
+    # of two (seen on an H200): the fallback runs it, counted
+    q, k_cache, v_cache, meta, _ = make_attention_batch(
+        [1, 6], [30, 9], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=48,
+        dtype=torch.bfloat16, device=device,
+    )  # fmt: skip
+    assert aiter_backend.attention_fallback_reason(q, k_cache) == "head_dim"
+    before = aiter_backend.fallbacks["paged_attention.head_dim"]
+    out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, scale=0.25)
+    assert aiter_backend.fallbacks["paged_attention.head_dim"] == before + 1
+    ref = reference_attention(q, k_cache, v_cache, meta, 0.25)
+    assert_close_rel(out, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -232,7 +252,16 @@ def test_aiter_fused_moe_matches_reference(t, e, top_k, aiter_backend, device):
     want = TorchBackend().fused_moe(x, logits, w13, w2, top_k, True)
     small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
     args = [v.to(device) for v in (x, logits, w13, w2)]
+    before = aiter_backend.fallbacks["fused_moe.fp32"]
     out = aiter_backend.fused_moe(*args, top_k, True, config=small)
     assert out.shape == (t, h) and out.dtype == x.dtype
     assert_close_rel(out, want.to(device), torch.float32)
     assert torch.equal(args[0].cpu(), x)  # input untouched
+    if device != "cpu":  # fp32 on a GPU: aiter's dots would be tf32, so the fallback ran
+        assert aiter_backend.fallbacks["fused_moe.fp32"] == before + 1
+        # bf16: aiter's own kernel, against the fp32 reference on the same bf16 inputs
+        low = [v.to(device, torch.bfloat16) for v in (x, logits, w13, w2)]
+        ref = TorchBackend().fused_moe(*[v.float().cpu() for v in low], top_k, True)
+        got = aiter_backend.fused_moe(*low, top_k, True, config=small)
+        assert aiter_backend.fallbacks["fused_moe.fp32"] == before + 1
+        assert_close_rel(got, ref.to(device), torch.bfloat16)

@@ -121,11 +121,29 @@ def test_config_is_shape_only():
     assert cfg["num_q_blocks"] == 8 * 2048 // cfg["BLOCK_Q"] + 8
 
 
+def test_config_fits_the_gpus_shared_memory():
+    # fp32 at head_dim 128, a 2k prefill: the bf16 tiles (BLOCK_M 128, TILE_N 64, 3
+    # stages) would need 257 KiB of the H200's 227; the tiles shrink until they fit,
+    # and what fits is left alone
+    h200 = 232448
+    args = (8 * 2048, 8, 32, 8, 2048, 2048, 132)
+    bf16 = attention_config(*args, interpreted=False, smem=(128, 2, 2, h200))
+    assert bf16 == attention_config(*args, interpreted=False)
+    fp32 = attention_config(*args, interpreted=False, smem=(128, 4, 4, h200))
+    need = 128 * (fp32["BLOCK_M"] * 4 + fp32["num_stages"] * 2 * fp32["TILE_N"] * 4) + 1024
+    assert need <= h200 and fp32["BLOCK_M"] >= 16
+    assert fp32["num_q_blocks"] == 8 * 2048 // fp32["BLOCK_Q"] + 8
+    # explicit tiles are the caller's: kept even when they overflow
+    pinned = dict(BLOCK_M=128, TILE_N=64, num_stages=3)
+    cfg = attention_config(*args, False, None, pinned, smem=(128, 4, 4, h200))
+    assert (cfg["BLOCK_M"], cfg["TILE_N"], cfg["num_stages"]) == (128, 64, 3)
+
+
 # ---- Llama-3-8B shapes on a GPU ------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "batch",
     [

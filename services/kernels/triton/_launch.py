@@ -45,6 +45,20 @@ def device_sms(t: torch.Tensor) -> int:
     return 8
 
 
+@functools.cache
+def _smem_optin(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def device_smem(t: torch.Tensor) -> int | None:
+    """The most shared memory one program may use on t's GPU (None: no limit known,
+    or interpreting on a CPU)."""
+    if t.is_cuda:
+        return _smem_optin(t.device.index if t.device.index is not None else 0)
+    return None
+
+
 def rows_per_program(interpreted: bool, n_rows: int, row_elems: int, gpu_rows: int = 1) -> int:
     """Rows handled by one program. On a GPU one (or a few) rows per program keeps
     every SM busy; the interpreter pays per program, so it takes big row blocks."""

@@ -40,7 +40,13 @@ import triton
 import triton.language as tl
 
 from services.kernels.interface import kv_cache_is_fp8
-from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
+from services.kernels.triton._launch import (
+    check_device,
+    device_smem,
+    device_sms,
+    is_interpreted,
+    next_pow2,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -265,10 +271,14 @@ def attention_config(
     interpreted: bool,
     num_splits: int | None = None,
     overrides: dict | None = None,
+    smem: tuple[int, int, int, int] | None = None,
 ) -> dict:
     """Tile sizes and split count from shapes and host-side ints only (no sync).
     `overrides` replaces any of BLOCK_M, TILE_N, NUM_SPLITS, num_warps, num_stages
-    (for tuning sweeps; BLOCK_M must stay >= max(16, Q_PER_KV), powers of two)."""
+    (for tuning sweeps; BLOCK_M must stay >= max(16, Q_PER_KV), powers of two).
+    smem = (head_dim, q bytes, kv bytes, the GPU's shared memory per program): tiles
+    the overrides leave free shrink until the program fits (fp32 at head_dim 128 would
+    not)."""
     overrides = overrides or {}
     q_per_kv = num_q_heads // num_kv_heads
     min_m = max(16, next_pow2(q_per_kv))  # tl.dot needs >= 16 rows
@@ -308,6 +318,28 @@ def attention_config(
             tile_n, num_warps = 128, 8
     elif wide and max_seq_len >= 2048 * num_splits:
         tile_n, num_warps = 128, 8
+    num_stages = overrides.get("num_stages", num_stages)
+    if smem is not None and smem[3]:
+        head_dim, q_bytes, kv_bytes, limit = smem
+        d = next_pow2(max(16, head_dim))
+
+        def need(m, n, stages):  # the Q tile, K and V tiles per pipeline stage, slack
+            return d * (m * q_bytes + stages * 2 * n * kv_bytes) + 1024
+
+        while need(block_m, tile_n, num_stages) > limit:
+            if "num_stages" not in overrides and num_stages > 1:
+                num_stages -= 1
+            elif "TILE_N" not in overrides and tile_n > 16:
+                tile_n //= 2
+            elif "BLOCK_M" not in overrides and block_m > min_m:
+                block_m //= 2
+            else:
+                break  # nothing left to shrink: Triton names the overflow
+        if block_q != block_m // q_per_kv:
+            block_q = block_m // q_per_kv
+            num_q_blocks = num_tokens // block_q + num_seqs
+            if max_query_len > block_q and "NUM_SPLITS" not in overrides:
+                num_splits = 1  # splitting keys needs each query row in one q block
     return dict(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -315,7 +347,7 @@ def attention_config(
         NUM_SPLITS=num_splits,
         num_q_blocks=num_q_blocks,
         num_warps=overrides.get("num_warps", num_warps),
-        num_stages=overrides.get("num_stages", num_stages),
+        num_stages=num_stages,
     )
 
 
@@ -364,6 +396,7 @@ def paged_attention(
         interp,
         num_splits,
         config,
+        smem=(head_dim, q.element_size(), k_cache.element_size(), device_smem(q) or 0),
     )
     head_dim_p = max(16, next_pow2(head_dim))
     splits = cfg["NUM_SPLITS"]
