@@ -12,6 +12,7 @@ from torch import nn
 
 from services.kernels import KernelBackend
 from services.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Format, quantize_weight_per_channel
+from services.models.layers import RowParallelLinear
 
 
 class Fp8Linear(nn.Module):
@@ -49,7 +50,7 @@ class Fp8Linear(nn.Module):
         the meta device, before any memory is allocated)."""
         bias = linear.bias
         with torch.device(linear.weight.device):
-            return cls(
+            layer = cls(
                 linear.in_features,
                 linear.out_features,
                 bias is not None,
@@ -57,9 +58,38 @@ class Fp8Linear(nn.Module):
                 linear.ops,
                 bias.dtype if bias is not None else torch.float32,
             )
+        # tensor parallelism: the replaced layer's split (plain attributes, no submodule)
+        layer.__dict__["tp_span"] = linear.tp_span
+        layer.__dict__["checkpoint_slice"] = linear.checkpoint_slice
+        row = isinstance(linear, RowParallelLinear) and linear.tp.size > 1
+        layer.__dict__["reduce"] = linear.tp if row else None
+        return layer
 
     def forward(self, x):
-        return self.ops.linear(x, self)
+        out = self.ops.linear(x, self)
+        reduce = self.__dict__.get("reduce")  # row-parallel: sum the ranks' partials
+        return out if reduce is None else reduce.all_reduce(out)
+
+    def scale_slice(self, shard, tensor: torch.Tensor, per_tensor: bool) -> torch.Tensor:
+        """This rank's part of a checkpoint scale tensor: the scales of its rows
+        (column-parallel) or of its K blocks (row-parallel, block scales); per-tensor
+        and per-channel scales of a row-parallel layer are whole."""
+        span = self.__dict__["tp_span"](shard) if "tp_span" in self.__dict__ else None
+        if span is None or per_tensor:
+            return tensor
+        dim, start, size = span
+        fmt = self.fp8_format
+        if fmt.granularity != "block":
+            return tensor if dim == 1 else tensor.narrow(0, start, size)
+        block = fmt.block_n if dim == 0 else fmt.block_k
+        if start % block:
+            raise ValueError(
+                f"quantization_config.weight_block_size [{fmt.block_n}, {fmt.block_k}]: "
+                f"this tensor-parallel rank's {'rows' if dim == 0 else 'columns'} start at "
+                f"{start}, inside a scale block; use a tensor_parallel_size that splits "
+                "the layer on block boundaries"
+            )
+        return tensor.narrow(dim, start // block, -(-size // block))
 
     def extra_repr(self) -> str:
         fmt = self.fp8_format
@@ -106,17 +136,23 @@ class Fp8Linear(nn.Module):
                 )
             dst[start : start + size] = tensor.float().reshape(size)
 
-    def quantize_rows(self, tensor: torch.Tensor, start: int, size: int, name: str) -> None:
-        """Online quantization: full-precision rows -> FP8 with a scale per row."""
+    def quantize_rows(
+        self, tensor: torch.Tensor, start: int, size: int, name: str, shard=None
+    ) -> None:
+        """Online quantization: a checkpoint's full-precision tensor -> FP8 with a scale
+        per output row, computed over the whole row before this rank takes its part, so
+        every tensor-parallel split holds the same FP8 weights."""
         if self.fp8_format.granularity != "channel":
             raise ValueError(f"{name}: online quantization makes per-channel FP8 layers only")
-        if tuple(tensor.shape) != (size, self.in_features):
+        # on the layer's device: an 8B model quantizes in a second there, minutes on a CPU
+        q, scale = quantize_weight_per_channel(tensor.to(self.weight.device))
+        q = self.checkpoint_slice("weight", shard, q) if "checkpoint_slice" in self.__dict__ else q
+        scale = self.scale_slice(shard, scale, per_tensor=False)
+        if tuple(q.shape) != (size, self.in_features):
             raise ValueError(
                 f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, model expects "
                 f"{(size, self.in_features)}"
             )
-        # on the layer's device: an 8B model quantizes in a second there, minutes on a CPU
-        q, scale = quantize_weight_per_channel(tensor.to(self.weight.device))
         self.weight.data[start : start + size] = q
         self.weight_scale.data[start : start + size] = scale
 

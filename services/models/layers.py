@@ -29,10 +29,20 @@ class Linear(nn.Linear):
     def forward(self, x):
         return self.ops.linear(x, self)
 
+    def tp_span(self, shard) -> tuple[int, int, int] | None:
+        """(dim, start, size) of this rank's part of a checkpoint weight (shard: a fused
+        layer's part, e.g. "q"); None: all of it (replicated)."""
+        return None
+
     def checkpoint_slice(self, leaf: str, shard, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the checkpoint tensor for parameter `leaf` (shard: a
-        fused layer's part, e.g. "q"). Replicated: all of it."""
-        return tensor
+        """This rank's part of the checkpoint tensor for parameter `leaf`."""
+        span = self.tp_span(shard)
+        if span is None:
+            return tensor
+        dim, start, size = span
+        if leaf == "bias" and dim == 1:  # a row-parallel bias is added once, by rank 0
+            return tensor if self.tp.is_driver else torch.zeros_like(tensor)
+        return tensor.narrow(dim, start, size)
 
 
 class ColumnParallelLinear(Linear):
@@ -51,10 +61,11 @@ class ColumnParallelLinear(Linear):
         size = divide(rows, self.tp.size, f"{type(self).__name__} output {shard or ''}")
         return self.tp.rank * size, size
 
-    def checkpoint_slice(self, leaf, shard, tensor):
+    def tp_span(self, shard):
+        if self.tp.size == 1:
+            return None
         rows = self.shards.get(shard, self.shards.get(None))
-        start, size = self._rank_rows(shard, rows)
-        return tensor.narrow(0, start, size) if self.tp.size > 1 else tensor
+        return (0, *self._rank_rows(shard, rows))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -91,12 +102,10 @@ class RowParallelLinear(Linear):
     def forward(self, x):
         return self.tp.all_reduce(self.ops.linear(x, self))
 
-    def checkpoint_slice(self, leaf, shard, tensor):
+    def tp_span(self, shard):
         if self.tp.size == 1:
-            return tensor
-        if leaf == "bias":
-            return tensor if self.tp.is_driver else torch.zeros_like(tensor)
-        return tensor.narrow(1, self.tp.rank * self.in_features, self.in_features)
+            return None
+        return 1, self.tp.rank * self.in_features, self.in_features
 
 
 def _vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:

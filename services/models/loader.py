@@ -56,8 +56,8 @@ def check_supported(
 ) -> None:
     """Refuse, naming the config.json key, what this engine would otherwise compute
     differently from the checkpoint's own model, or cannot split over tp_size ranks."""
-    quant = quantization_of(hf_config, quantization)  # raises for an unsupported method
-    _check_tp(hf_config, quant, tp_size)
+    quantization_of(hf_config, quantization)  # raises for an unsupported method
+    check_split(hf_config, tp_size)
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
         # attention covers the whole context here, which equals windowed attention only
@@ -66,15 +66,6 @@ def check_supported(
             f"sliding_window={window} (config.json): attention here covers the whole "
             f"context, which equals the model's only up to {window} tokens; max_model_len "
             f"is {max_model_len}: pass --max-model-len {window} (or less)"
-        )
-
-
-def _check_tp(hf_config, quant: QuantConfig | None, tp_size: int) -> None:
-    check_split(hf_config, tp_size)
-    if quant is not None and tp_size > 1:
-        raise ValueError(
-            f"FP8 weights ({quant.method}) with tensor_parallel_size {tp_size}: FP8 layers "
-            "are not split across ranks yet; serve this model with tensor_parallel_size 1"
         )
 
 
@@ -97,7 +88,7 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = quantization_of(hf_config, quantization)
     tp = tp or TPGroup()
-    _check_tp(hf_config, quant, tp.size)
+    check_split(hf_config, tp.size)
     cls = model_class(hf_config)
     # Build on the meta device: skips the random init of every Linear (seconds on CPU).
     with torch.device("meta"):
@@ -304,11 +295,14 @@ def _load_tensor(
     if layer is not None and fp8_format_of(layer) is not None and leaf == "weight":
         start, size = rows if rows is not None else (0, layer.out_features)
         if scale:
-            layer.load_scale(tensor, start, size, original, quant.granularity == "tensor")
+            per_tensor = quant.granularity == "tensor"
+            tensor = layer.scale_slice(shard, tensor, per_tensor)  # this rank's scales
+            layer.load_scale(tensor, start, size, original, per_tensor)
             return [(f"{layer_name}.weight_scale", shard)]
-        if quant.online and tensor.dtype != FP8_DTYPE:
-            layer.quantize_rows(tensor, start, size, original)
+        if quant.online and tensor.dtype != FP8_DTYPE:  # takes its part after quantizing
+            layer.quantize_rows(tensor, start, size, original, shard)
             return [(target, shard), (f"{layer_name}.weight_scale", shard)]
+        tensor = layer.checkpoint_slice(leaf, shard, tensor)  # this rank's part
         layer.load_weight(tensor, start, size, original)
         return [(target, shard)]
     if scale or tensor.dtype == FP8_DTYPE:

@@ -103,8 +103,6 @@ def test_impossible_split_is_refused_by_name(tmp_path):
         LLM(model_dir, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model_dir, tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="FP8 weights"):
-        LLM(model_dir, tensor_parallel_size=2, quantization="fp8")
 
 
 def test_head_rule_matches_the_transfer_layer():
