@@ -104,11 +104,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--port", type=int, default=18731)
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model folder (default: the bundled model); e.g. a benchmarks/dummy_model.py "
+        "folder of a tiny config with --load-format dummy, to see the host path alone",
+    )
+    ap.add_argument("--load-format", default="auto")
     args = ap.parse_args()
-    model = str(default_model_dir())
+    model = args.model or str(default_model_dir())
     seqs = str(max(args.concurrency))
-    prefill = start_worker("prefill", "--max-num-seqs", seqs, model=model)
-    decode = start_worker("decode", "--max-num-seqs", seqs, "--num-kv-blocks", "4096", model=model)
+    common = ("--max-num-seqs", seqs, "--load-format", args.load_format)
+    prefill = start_worker("prefill", *common, model=model)
+    decode = start_worker("decode", *common, "--num-kv-blocks", "8192", model=model)
     router = subprocess.Popen(
         [
             *PDSERVE,

@@ -67,6 +67,19 @@ class EngineLoop:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, out)
 
+    def publish_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their streams with one wake-up per event loop (a
+        wake-up per output is a syscall and a loop iteration each, per stream per
+        token)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                batches.setdefault(loop, []).append((q, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
     def publish_error(self, request_id: str, error: BaseException) -> None:
         """Wake a request's stream with an error (from any thread)."""
         target = self._streams.get(request_id)
@@ -92,8 +105,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            for out in outputs:
-                self.publish(out)
+            self.publish_step(outputs)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -116,3 +128,8 @@ class EngineLoop:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             self.publish_error(request_id, error)
+
+
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)

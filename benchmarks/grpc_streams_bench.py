@@ -1,0 +1,91 @@
+"""The decode worker's host path at high concurrency: N streams straight to a decode
+worker's gRPC Generate (it prefills itself), each generating --tokens tokens; prints
+output tokens/s and the inter-token latency seen by the clients. With a tiny model
+(benchmarks/dummy_model.py, --load-format dummy) the model step is small and what is
+left is the Python per stream per step: output hand-off, detokenization, protobuf,
+gRPC.
+
+    python benchmarks/dummy_model.py --config tiny.json --out /tmp/tiny
+    python -m benchmarks.grpc_streams_bench --model /tmp/tiny --load-format dummy \\
+        --streams 16 256 512 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import grpc
+
+from benchmarks.router_overhead import pct, start_worker
+from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+async def _stream(stub, i: int, tokens: int, gaps: list[float]) -> int:
+    req = decode_pb2.GenerateRequest(
+        request_id=f"bench-{i}-{time.monotonic_ns()}",
+        token_ids=common_pb2.TokenIds(ids=[5 + i % 100] * 8),
+        sampling_params=common_pb2.SamplingParams(
+            max_tokens=tokens, temperature=0, ignore_eos=True
+        ),
+    )
+    last, count = None, 0
+    async for resp in stub.Generate(req):
+        now = time.perf_counter()
+        count += len(resp.token_ids)
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+    return count
+
+
+async def run(address: str, streams: int, tokens: int) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        gaps: list[float] = []
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(_stream(stub, i, tokens, gaps) for i in range(streams)))
+        elapsed = time.perf_counter() - start
+    return {
+        "streams": streams,
+        "output_tok_s": round(sum(counts) / elapsed),
+        "itl_p50_ms": round(pct(gaps, 0.5), 2),
+        "itl_p99_ms": round(pct(gaps, 0.99), 2),
+        "seconds": round(elapsed, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--streams", type=int, nargs="+", default=[16, 256, 512])
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    most = str(max(args.streams))
+    worker = start_worker(
+        "decode",
+        *("--load-format", args.load_format, "--device", args.device),
+        *("--max-num-seqs", most, "--num-kv-blocks", str(64 * int(most)), "--skip-warmup"),
+        model=args.model,
+    )
+    try:
+        asyncio.run(run(worker.address, 4, 8))  # warm-up
+        print("| streams | output tok/s | ITL p50 | ITL p99 |")
+        print("|---|---|---|---|")
+        for n in args.streams:
+            r = asyncio.run(run(worker.address, n, args.tokens))
+            print(
+                f"| {n} | {r['output_tok_s']} | {r['itl_p50_ms']} ms | {r['itl_p99_ms']} ms |",
+                flush=True,
+            )
+            print(json.dumps(r), flush=True)
+    finally:
+        worker.stop(30)
+
+
+if __name__ == "__main__":
+    main()
