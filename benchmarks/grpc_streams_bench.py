@@ -5,7 +5,7 @@ output tokens/s and the inter-token latency seen by the clients. With a tiny mod
 left is the Python per stream per step: output hand-off, detokenization, protobuf,
 gRPC.
 
-    python benchmarks/dummy_model.py --config tiny.json --out /tmp/tiny
+    python benchmarks/dummy_model.py --config benchmarks/configs/tiny-llama.json --out /tmp/tiny
     python -m benchmarks.grpc_streams_bench --model /tmp/tiny --load-format dummy \\
         --streams 16 256 512 --tokens 128
 """
