@@ -10,6 +10,13 @@ Auto mode reads `pdserve <role> ... --port N` from the process command line: pre
 decode workers get a gRPC health check on N (defaults 50061 / 50071), `router` and `up`
 an HTTP check of /ready on N (default 8000). Exit status 0 = healthy, 1 = unhealthy.
 Standard library + grpcio only, so it runs in the router image (no torch) too.
+
+Workers serving TLS (--tls-cert-file) are checked over TLS when these are set (the Helm
+chart sets them with tls.enabled; kubelet's own gRPC probes cannot speak TLS):
+PDSERVE_HEALTHCHECK_TLS_CA_FILE (verifies the worker), PDSERVE_HEALTHCHECK_TLS_CERT_FILE
+and _KEY_FILE (the client certificate a mutual-TLS worker asks for),
+PDSERVE_HEALTHCHECK_TLS_SERVER_NAME (the name in the worker's certificate, when it does
+not name 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -28,18 +35,40 @@ def check_grpc(address: str, service: str = "") -> bool:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(grpc, address) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
             )
     except grpc.RpcError as e:
         print(f"unhealthy: gRPC health of {address}: {e.code().name}", file=sys.stderr)
         return False
+    except OSError as e:  # a TLS file
+        print(f"unhealthy: {e}", file=sys.stderr)
+        return False
     if resp.status != health_pb2.HealthCheckResponse.SERVING:
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         print(f"unhealthy: {address} is {name}", file=sys.stderr)
         return False
     return True
+
+
+def _channel(grpc, address: str):
+    def env(name: str) -> str | None:
+        return os.environ.get(f"PDSERVE_HEALTHCHECK_TLS_{name}") or None
+
+    def read(name: str) -> bytes | None:
+        if env(name) is None:
+            return None
+        with open(env(name), "rb") as f:
+            return f.read()
+
+    if env("CA_FILE") is None and env("CERT_FILE") is None:
+        return grpc.insecure_channel(address)
+    creds = grpc.ssl_channel_credentials(read("CA_FILE"), read("KEY_FILE"), read("CERT_FILE"))
+    name = env("SERVER_NAME")
+    return grpc.secure_channel(
+        address, creds, [("grpc.ssl_target_name_override", name)] if name else []
+    )
 
 
 def check_http(url: str) -> bool:

@@ -58,6 +58,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: first come, first served; priority: by each request's 'priority' "
+        "(lower first; ties by arrival), preempting the last in that order when memory "
+        "runs short. Set the same on prefill and decode workers",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -97,6 +105,7 @@ def engine_config_from_args(args, role: str):
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -127,6 +136,12 @@ def _cmd_chat(args) -> int:
 def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model_name label of the worker's vllm:* metrics (default: --model), "
+        "as vLLM's flag names its model; the router's own flag names it to clients",
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -180,6 +195,7 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         help="pdserve's log level; debug also shows the transfer engine's (Mooncake) "
         "own lines, which otherwise appear only as warnings and errors",
     )
+    _add_worker_tls_args(p, role)
     if role == "decode":
         p.add_argument(
             "--prefill-timeout",
@@ -198,6 +214,26 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         )
 
 
+def _add_worker_tls_args(p: argparse.ArgumentParser, role: str) -> None:
+    ca_help = "mutual TLS: clients must present a certificate this CA signed"
+    if role == "decode":
+        ca_help += "; it also verifies prefill workers"
+    flags = [
+        ("--tls-cert-file", "server certificate (turns TLS on)"),
+        ("--tls-key-file", "its private key"),
+        ("--tls-ca-file", ca_help),
+    ]
+    if role == "decode":  # only the decode worker dials other workers
+        flags += [
+            ("--tls-client-cert-file", "presented to prefill workers (default: --tls-cert-file)"),
+            ("--tls-client-key-file", "its private key"),
+            ("--tls-server-name", "name in prefill workers' certificates, if not the host dialed"),
+        ]
+    group = p.add_argument_group("TLS on the gRPC port (default: plaintext; PEM files)")
+    for flag, text in flags:
+        group.add_argument(flag, default=None, metavar=flag.split("-")[-1].upper(), help=text)
+
+
 def _cmd_worker(args) -> int:
     import logging
 
@@ -213,6 +249,7 @@ def _cmd_worker(args) -> int:
     role = args.command
     settings = WorkerSettings(
         host=args.host,
+        served_model_name=args.served_model_name,
         port=args.port,
         metrics_port=args.metrics_port,
         transfer_backend=args.transfer_backend,
@@ -226,6 +263,7 @@ def _cmd_worker(args) -> int:
         skip_warmup=args.skip_warmup,
         fault_pause_mid_transfer_s=float(os.environ.get("PDSERVE_FAULT_PAUSE_MID_TRANSFER_S", 0)),
         transfer_faults=TransferFaults.from_env(),
+        **{k: v for k, v in vars(args).items() if k.startswith("tls_")},
         **(
             {}
             if role == "prefill"
@@ -357,6 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router's --reasoning-parser (reasoning models' <think> output as "
         "reasoning_content)",
+    )
+    up.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the router's --tool-call-parser (hermes, llama3_json): tool calls in chat "
+        "output returned as tool_calls",
+    )
+    up.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the router's --enable-auto-tool-choice: tool_choice 'auto' allowed (needs "
+        "--tool-call-parser)",
     )
     up.add_argument(
         "worker_args",

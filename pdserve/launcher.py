@@ -163,6 +163,19 @@ def transport_hint(plan: list[tuple[str, str]], worker_args: list[str]) -> str |
     return None
 
 
+def _check_tool_flags(args) -> None:
+    """The router's tool-calling flags, checked before anything starts."""
+    from router.tools import TOOL_PARSERS
+
+    parser = getattr(args, "tool_call_parser", None)
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser {parser!r}: choose one of {', '.join(sorted(TOOL_PARSERS))}"
+        )
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
 def run_up(args, worker_args: list[str]) -> int:
     plan = plan_workers(args)  # ValueError before anything starts
     tp = tensor_parallel_sizes(args)
@@ -179,6 +192,7 @@ def run_up(args, worker_args: list[str]) -> int:
                 f"--reasoning-parser {args.reasoning_parser!r}: choose one of "
                 f"{', '.join(sorted(REASONING_PARSERS))}"
             )
+    _check_tool_flags(args)
     hint = transport_hint(plan, worker_args)
     if hint:
         print(f"pdserve up: {hint}", file=sys.stderr)
@@ -213,6 +227,10 @@ def run_up(args, worker_args: list[str]) -> int:
             router_cmd += [f"--{w.name.split('-')[0]}", w.address]
         if args.reasoning_parser:
             router_cmd += ["--reasoning-parser", args.reasoning_parser]
+        if getattr(args, "tool_call_parser", None):
+            router_cmd += ["--tool-call-parser", args.tool_call_parser]
+        if getattr(args, "enable_auto_tool_choice", False):
+            router_cmd += ["--enable-auto-tool-choice"]
         children.append(Child("router", router_cmd, env))
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         while not _ready(url):

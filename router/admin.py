@@ -1,7 +1,8 @@
 """Admin endpoints: list, add and remove workers at run time.
 
 GET /admin/workers; POST and DELETE /admin/workers with {"role", "address"} (DELETE
-also takes them as query parameters). Guarded by the admin token when one is set."""
+also takes them as query parameters). Registered only with an admin token, which every
+call must carry (Authorization: Bearer, or X-Admin-Token); without one they are off."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import logging
 from aiohttp import web
 
 from router.admin import add_admin_routes
-from router.config import RouterConfig
-from router.middleware import auth, request_context
+from router.config import ADMIN_TOKEN_ENV, RouterConfig
+from router.middleware import auth, log_requests, request_context
 from router.routes import add_routes
 from router.state import STATE, RouterState
 
@@ -22,17 +22,21 @@ async def _workers_lifecycle(app: web.Application):
     state = app[STATE]
     await state.registry.start()  # channels belong to the app's event loop
     if state.config.admin_token is None:
-        log.warning("no admin token: /admin/workers is open to anyone who reaches the router")
+        log.info("admin endpoints (/admin/workers) off: set --admin-token or %s", ADMIN_TOKEN_ENV)
+    if state.config.enable_log_requests:
+        log.warning("--enable-log-requests: request bodies (prompts) are logged")
     yield
     await state.registry.close()
 
 
 def create_app(config: RouterConfig) -> web.Application:
-    app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[request_context, auth]
-    )
+    middlewares = [request_context, auth]
+    if config.enable_log_requests:
+        middlewares.append(log_requests)  # after auth: no bodies of refused requests
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = RouterState.build(config)
     add_routes(app)
-    add_admin_routes(app)
+    if config.admin_token is not None:  # else the auth middleware answers 404
+        add_admin_routes(app)
     app.cleanup_ctx.append(_workers_lifecycle)
     return app

@@ -6,12 +6,12 @@ import argparse
 import logging
 import os
 
-from router.config import RouterConfig
+from router.config import ADMIN_TOKEN_ENV, RouterConfig
 from router.policies import POLICIES
 from router.reasoning import REASONING_PARSERS
+from router.tools import TOOL_PARSERS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "none: no authentication",
     )
     p.add_argument(
-        "--admin-token", default=None, help=f"token for /admin endpoints (also ${ADMIN_TOKEN_ENV})"
+        "--admin-token",
+        default=None,
+        help=f"token of the /admin endpoints (also ${ADMIN_TOKEN_ENV}); none: they are off",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log request bodies (prompts included) at INFO; off: no prompt or completion "
+        "text is logged",
     )
     p.add_argument(
         "--served-model-name",
@@ -84,6 +92,41 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         f"`reasoning_content` apart from `content` in chat completions: one of "
         f"{', '.join(sorted(REASONING_PARSERS))} (default: none)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="read tool calls out of chat output into `tool_calls`: one of "
+        f"{', '.join(sorted(TOOL_PARSERS))} (default: none)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests with tools use tool_choice "auto" (the default with tools); '
+        "needs --tool-call-parser",
+    )
+    tls = p.add_argument_group("TLS to the workers (off: plaintext gRPC)")
+    tls.add_argument(
+        "--worker-tls-ca-file",
+        default=None,
+        metavar="PEM",
+        help="verify workers' certificates against this CA bundle (turns TLS on)",
+    )
+    tls.add_argument(
+        "--worker-tls-cert-file",
+        default=None,
+        metavar="PEM",
+        help="client certificate presented to workers that require one (mutual TLS; "
+        "turns TLS on; without --worker-tls-ca-file the system's root CAs verify workers)",
+    )
+    tls.add_argument("--worker-tls-key-file", default=None, metavar="PEM", help="its private key")
+    tls.add_argument(
+        "--worker-tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="the name workers' certificates carry, when it is not the host dialed (workers "
+        "found through DNS are dialed by IP)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -100,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_keys=api_keys,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
         served_model_name=args.served_model_name,
+        enable_log_requests=args.enable_log_requests,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         health_interval=args.health_interval,
@@ -108,6 +152,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        worker_tls_ca_file=args.worker_tls_ca_file,
+        worker_tls_cert_file=args.worker_tls_cert_file,
+        worker_tls_key_file=args.worker_tls_key_file,
+        worker_tls_server_name=args.worker_tls_server_name,
     )
 
 
@@ -131,6 +181,11 @@ def run_router(args: argparse.Namespace) -> int:
         list(config.decode),
         config.decode_policy,
     )
+    if config.worker_tls:
+        logging.getLogger("pdserve.router").info(
+            "gRPC to workers over TLS%s",
+            ", with a client certificate" if config.worker_tls_cert_file else "",
+        )
     web.run_app(
         create_app(config),
         host=config.host,

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from pdpb import tls
 from router.policies import POLICIES
 from router.reasoning import REASONING_PARSERS
+from router.tools import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    import grpc
 
 ROLES = ("prefill", "decode")
+
+ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"  # the admin token, when no flag gives it
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -58,8 +66,11 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
     api_keys: tuple[str, ...] = ()  # empty: no authentication on /v1
-    admin_token: str | None = None  # None: /admin endpoints need no token
+    admin_token: str | None = None  # None: the /admin endpoints are off (404)
     served_model_name: str | None = None  # None: the model the workers report
+    # log request bodies (prompts) at INFO (vLLM's --enable-log-requests); off, no
+    # prompt or completion text is logged at any level
+    enable_log_requests: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout: float = 600.0  # seconds, whole request, retries included
     health_interval: float = 2.0  # seconds between health / load probes
@@ -71,8 +82,32 @@ class RouterConfig:
     pair_timeout: float = 30.0  # seconds an AddPrefillPeer handshake may take
     # split <think>...</think> into `reasoning` / `content` (vLLM's --reasoning-parser)
     reasoning_parser: str | None = None
+    # tool calls in chat output (vLLM's --tool-call-parser); tool_choice "auto" also
+    # needs enable_auto_tool_choice, as in vLLM
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # TLS to the workers (pdpb/tls.py): on when a CA or a client certificate is given;
+    # without a CA the workers' certificates are checked against the system's roots
+    worker_tls_ca_file: str | None = None
+    worker_tls_cert_file: str | None = None  # the router's client identity (mutual TLS)
+    worker_tls_key_file: str | None = None
+    worker_tls_server_name: str | None = None  # name in workers' certificates, if not their host
+
+    @property
+    def worker_tls(self) -> bool:
+        return self.worker_tls_ca_file is not None or self.worker_tls_cert_file is not None
+
+    def worker_channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials for every channel to a worker (the files read now); None:
+        plaintext."""
+        if not self.worker_tls:
+            return None
+        return tls.channel_credentials(
+            self.worker_tls_ca_file, self.worker_tls_cert_file, self.worker_tls_key_file
+        )
 
     def __post_init__(self):
+        self._check_worker_tls()
         self.prefill = tuple(normalize_address(a) for a in self.prefill)
         self.decode = tuple(normalize_address(a) for a in self.decode)
         self.api_keys = tuple(self.api_keys)
@@ -96,6 +131,13 @@ class RouterConfig:
                 f"unknown reasoning_parser {self.reasoning_parser!r}; choose one of "
                 f"{sorted(REASONING_PARSERS)}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool_call_parser {self.tool_call_parser!r}; choose one of "
+                f"{sorted(TOOL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         for name in (
@@ -113,3 +155,17 @@ class RouterConfig:
             raise ValueError("max_retries must be >= 0")
         if self.retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
+
+    def _check_worker_tls(self) -> None:
+        tls.check_pair(
+            self.worker_tls_cert_file,
+            self.worker_tls_key_file,
+            "--worker-tls-cert-file",
+            "--worker-tls-key-file",
+        )
+        tls.check_ca(self.worker_tls_ca_file, "--worker-tls-ca-file")
+        tls.check_server_name(self.worker_tls_server_name, "--worker-tls-server-name")
+        if self.worker_tls_server_name is not None and not self.worker_tls:
+            raise ValueError(
+                "--worker-tls-server-name needs --worker-tls-ca-file or --worker-tls-cert-file"
+            )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdpb.v1 import decode_pb2
+from router import structured
 from router.errors import RETRYABLE, APIError, from_grpc, unavailable
 from router.metrics import RouterMetrics
 from router.pairing import Avoid, choose_pair
@@ -225,7 +226,9 @@ class GenerationRun:
             )
             if code == grpc.StatusCode.UNAVAILABLE:
                 registry.kick()  # is the worker gone? find out now, not at the next probe
-            error = from_grpc(code, details, cfg.retry_after)
+            error = structured.name_field(
+                from_grpc(code, details, cfg.retry_after), details, req.structured_param
+            )
             if started or code not in RETRYABLE:
                 break
             avoid.add(decode.address, prefill.address)

@@ -41,6 +41,8 @@ class WorkerCollector:
                 ("kv_transfers_failed", "KV transfers failed (worker LoadReport)"),
                 ("kv_transfer_bytes", "KV bytes transferred (worker LoadReport)"),
                 ("prefill_fallbacks", "remote prefills recomputed locally (worker LoadReport)"),
+                ("orphaned_kv_blocks", "KV blocks no known request holds: a leak, must be 0"),
+                ("oldest_kv_reservation_seconds", "age of the worker's oldest KV reservation"),
             )
         }
         for w in self._workers():

@@ -1,8 +1,10 @@
-"""aiohttp middlewares: request id + error shaping + request metrics, and auth."""
+"""aiohttp middlewares: request id + error shaping + request metrics, auth, and the
+opt-in request-body log."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 
@@ -58,20 +60,35 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def _digest(value: str) -> bytes:
+    # equal-length digests: compare_digest's time then says nothing about key lengths
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+
+
 def _matches(token: str | None, keys) -> bool:
     if token is None:
         return False
-    # compare against every key so the time taken says nothing about which one matched
-    return any([hmac.compare_digest(token.encode(), k.encode()) for k in keys])
+    # every key is compared (no short-circuit): the time taken says nothing about which
+    # key matched, or how many there are before it
+    digest, ok = _digest(token), False
+    for key in keys:
+        ok |= hmac.compare_digest(digest, _digest(key))
+    return ok
 
 
 _KEYED = ("/tokenize", "/detokenize")
+ADMIN_OFF = (
+    "the admin endpoints are off: start the router with --admin-token (or "
+    "PDSERVE_ADMIN_TOKEN) to enable them"
+)
+_LOGGED_BYTES = 64 * 1024  # of each body, with --enable-log-requests
 
 
 @web.middleware
 async def auth(request: web.Request, handler):
     """API keys guard /v1 and the tokenizer endpoints (they reach the workers); the
-    admin token guards /admin. Probes, /version and metrics are open."""
+    admin token guards /admin, which is off (404) without one. Probes, /version and
+    metrics are open."""
     config = request.app[STATE].config
     path = request.path
     if (path.startswith("/v1/") or path in _KEYED) and config.api_keys:
@@ -83,8 +100,35 @@ async def auth(request: web.Request, handler):
                 else "Incorrect API key provided."
             )
             raise APIError(401, msg, code="invalid_api_key")
-    elif path.startswith("/admin/") and config.admin_token:
+    elif path.startswith("/admin/"):
+        if config.admin_token is None:
+            raise APIError(404, ADMIN_OFF, code="not_found")
         token = _bearer(request) or request.headers.get("X-Admin-Token")
         if not _matches(token, [config.admin_token]):
             raise APIError(401, "a valid admin token is required", code="invalid_admin_token")
+    return await handler(request)
+
+
+@web.middleware
+async def log_requests(request: web.Request, handler):
+    """--enable-log-requests: every request body that can carry a prompt, at INFO."""
+    if request.method == "POST" and (request.path.startswith("/v1/") or request.path in _KEYED):
+        limit = request.app[STATE].config.max_body_bytes
+        if request.content_length is None or request.content_length <= limit:
+            try:
+                raw = await request.read()  # cached: the handler reads it again
+            except web.HTTPRequestEntityTooLarge:
+                # a second read would resume mid-body: answer as the handler would
+                msg = f"the request body exceeds {limit} bytes"
+                raise APIError(413, msg, code="request_too_large") from None
+            more = (
+                f" ... ({len(raw) - _LOGGED_BYTES} more bytes)" if len(raw) > _LOGGED_BYTES else ""
+            )
+            request[REQUEST_LOG].info(
+                "%s %s body: %s%s",
+                request.method,
+                request.path,
+                raw[:_LOGGED_BYTES].decode("utf-8", "replace"),
+                more,
+            )
     return await handler(request)

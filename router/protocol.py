@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdpb.v1 import common_pb2
+from router import structured
 from router.errors import bad_request
+from router.tools import forced_constraint, message_tool_fields, parse_tool_choice, parse_tools
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -21,16 +23,19 @@ MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**32 - 1
 MAX_UINT32 = 2**32 - 1  # max_tokens, min_tokens travel as uint32
 MAX_INT32 = 2**31 - 1  # top_k travels as int32
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 _MISSING = object()
 
 # Parameters we do not implement: a non-default value is an error rather than silence.
 _UNSUPPORTED = {
-    "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
     "suffix": "suffix is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
@@ -60,14 +65,9 @@ _UNSUPPORTED = {
     "media_io_kwargs": "multimodal inputs are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "prompt_embeds": "prompt_embeds are not supported",
-    "structured_outputs": "structured outputs are not supported",
-    "guided_json": "structured outputs (guided_json) are not supported",
-    "guided_regex": "structured outputs (guided_regex) are not supported",
-    "guided_choice": "structured outputs (guided_choice) are not supported",
-    "guided_grammar": "structured outputs (guided_grammar) are not supported",
     "structural_tag": "structured outputs (structural_tag) are not supported",
-    "guided_decoding_backend": "structured outputs are not supported",
-    "guided_whitespace_pattern": "structured outputs are not supported",
+    "guided_decoding_backend": "only the xgrammar structured output backend is available",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "logits_processors": "custom logits processors are not supported",
     "request_id": "request_id in the body is not supported: send the X-Request-Id header",
     "session_id": "session_id is not supported",
@@ -87,7 +87,6 @@ _UNSUPPORTED = {
 # Values of unsupported parameters that ask for nothing (their defaults), besides None
 # and empty values: sending them is fine.
 _NO_OP = {
-    "parallel_tool_calls": (True, False),
     "modalities": (["text"],),
     "store": (False,),
     "service_tier": ("auto", "default"),
@@ -103,6 +102,7 @@ _NO_OP = {
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True,),
     "routed_experts_prompt_start": (0,),
+    "guided_decoding_backend": ("auto", "xgrammar"),
 }
 # add_special_tokens: chat's default is false (the template adds them), completions'
 # true (the tokenizer's encode adds them), which is what the workers do
@@ -116,7 +116,7 @@ _HONOURED_COMMON = {
     "user", "safety_identifier", "response_format", "top_k", "min_p", "repetition_penalty",
     "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
     "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
-    "bad_words", "priority",
+    "bad_words", "priority", *structured.FIELDS,
 }  # fmt: skip
 HONOURED_FIELDS = {
     "chat": _HONOURED_COMMON
@@ -128,6 +128,9 @@ HONOURED_FIELDS = {
         "add_generation_prompt",
         "continue_final_message",
         "chat_template_kwargs",
+        "tools",  # router/tools.py
+        "tool_choice",
+        "parallel_tool_calls",
     },  # fmt: skip
     "completion": _HONOURED_COMMON | {"prompt", "echo"},
 }
@@ -163,6 +166,9 @@ class Prompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # tool calling: the tools for the template, each message's tool fields (or None)
+    tools: list[dict] | None = None
+    message_tools: list[dict | None] | None = None
 
     def prefix_key(self, chars: int = 256, tokens: int = 64) -> str:
         """The prompt's leading part: the key of the prefix_aware policy."""
@@ -187,6 +193,8 @@ class Prompt:
             chat_template_kwargs_json=(
                 json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else ""
             ),
+            tools_json=json.dumps(self.tools) if self.tools else "",
+            message_tools_json=[json.dumps(t) if t else "" for t in self.message_tools or ()],
         )
 
 
@@ -207,7 +215,11 @@ class GenerationRequest:
     # OpenAI's end-user ids (abuse monitoring): logged with the request
     user: str | None = None
     safety_identifier: str | None = None
+    structured_param: str | None = None  # the field the structured output came from
     sampling: dict = field(default_factory=dict)  # SamplingParams fields except seed/max
+    tool_choice: str = "none"  # "auto": the router's tool parser reads the output
+    tool_choice_name: str | None = None  # tool_choice "named": the function
+    parallel_tool_calls: bool = True
 
     @property
     def num_choices(self) -> int:
@@ -354,9 +366,7 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
     _check_fields(body, kind)
     if kind == "chat" and _bool(body, "echo"):
         raise bad_request("echo is not supported for chat completions", "echo")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    constraint, structured_param = structured.parse(body)
 
     model = _str(body, "model")
     n = _int(body, "n", 1, MAX_N, default=1)
@@ -432,14 +442,11 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
     sampling.update(_logits_shaping(body))
-    if _int(body, "priority", -MAX_INT32, MAX_INT32, default=0) != 0:
-        # vLLM's rule under its default (fcfs) policy: the workers schedule first come,
-        # first served, so a priority would be a promise not kept
-        raise bad_request(
-            "priority scheduling is not enabled: the workers schedule first come, first "
-            "served; 'priority' must be 0",
-            "priority",
-        )
+    if constraint is not None:
+        sampling["structured_output"] = constraint
+    priority = _int(body, "priority", -MAX_INT32, MAX_INT32, default=0)
+    if priority:  # the workers' --scheduling-policy decides (fcfs refuses it, as vLLM)
+        sampling["priority"] = priority
     prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise bad_request(
@@ -457,6 +464,7 @@ def _common(body: Any, kind: str) -> tuple[dict, dict]:
         seed=seed,
         user=_str(body, "user"),
         safety_identifier=_str(body, "safety_identifier"),
+        structured_param=structured_param,
     )
     return fields, sampling
 
@@ -579,11 +587,16 @@ def _chat_prompt(body: dict) -> Prompt:
                     "template call (a request field where the request has one)",
                     f"chat_template_kwargs.{key}",
                 )
+    messages, message_tools = _messages(body)
     return Prompt(
-        messages=_messages(body),
+        messages=messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         chat_template_kwargs=kwargs or None,
+        # with tool_choice "none" too: vLLM's default since 0.10 (the template still
+        # describes the tools; its --exclude-tools-when-tool-choice-none is not offered)
+        tools=parse_tools(body),
+        message_tools=message_tools if any(message_tools) else None,
     )
 
 
@@ -596,27 +609,53 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    return GenerationRequest(prompts=[prompt], logprobs=logprobs, sampling=sampling, **fields)
+    tool_choice, tool_name, parallel = parse_tool_choice(body, prompt.tools)
+    if tool_choice in ("required", "named"):
+        if "structured_output" in sampling:
+            raise bad_request(
+                f"tool_choice {tool_choice!r} constrains the output itself: it cannot be "
+                f"combined with {fields['structured_param']}",
+                "tool_choice",
+            )
+        sampling["structured_output"] = forced_constraint(
+            prompt.tools, tool_choice, tool_name, parallel
+        )
+        fields["structured_param"] = "tool_choice"
+    return GenerationRequest(
+        prompts=[prompt],
+        logprobs=logprobs,
+        sampling=sampling,
+        tool_choice=tool_choice,
+        tool_choice_name=tool_name,
+        parallel_tool_calls=parallel,
+        **fields,
+    )
 
 
-def _messages(body: dict) -> list[tuple[str, str]]:
+def _messages(body: dict) -> tuple[list[tuple[str, str]], list[dict | None]]:
+    """(role, content) per message, and its tool fields (router/tools.py) or None."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     conv: list[tuple[str, str]] = []
+    extras: list[dict | None] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request("each message must be an object", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
-                f"unsupported message role {role!r}; use system, user or assistant",
+                f"unsupported message role {role!r}; use system, user, assistant or tool",
                 f"messages[{i}].role",
             )
+        extras.append(message_tool_fields(m, role, i))
+        if m.get("content") is None and extras[-1] and "tool_calls" in extras[-1]:
+            conv.append((CHAT_ROLES[role], ""))  # an assistant turn of calls only
+            continue
         if "content" not in m or m["content"] is None:
             raise bad_request("each message needs content", f"messages[{i}].content")
         conv.append((CHAT_ROLES[role], _content(m["content"], i)))
-    return conv
+    return conv, extras
 
 
 def _prompts(v: Any) -> list[Prompt]:
@@ -679,10 +718,11 @@ _TOKENIZE_CHAT_FIELDS = {
     "continue_final_message",
     "add_special_tokens",
     "chat_template_kwargs",
+    "tools",
     "return_token_strs",
 }
 _TOKENIZE_UNSUPPORTED = {
-    "tools": "tools are not supported",
+    "tools": "tools apply to chat 'messages' only",
     "chat_template": "a per-request chat_template is not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "media_io_kwargs": "multimodal inputs are not supported",

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdpb import tls
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.config import ROLES, RouterConfig, normalize_address
 from router.discovery import is_literal, resolve
@@ -104,6 +105,8 @@ class Worker:
                 num_free_blocks=load.num_free_blocks,
                 num_total_blocks=load.num_total_blocks,
                 max_model_len=load.max_model_len,
+                orphaned_kv_blocks=load.orphaned_kv_blocks,
+                oldest_kv_reservation_seconds=load.oldest_kv_reservation_seconds,
             )
         if self.role == "decode":
             info["prefill_peers"] = {a: p.state for a, p in sorted(self.peers.items())}
@@ -131,6 +134,7 @@ class WorkerRegistry:
         self._wakeup: asyncio.Future | None = None
         self._kicked = False
         self._last_dns = float("-inf")
+        self._credentials = config.worker_channel_credentials()  # None: plaintext
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -235,7 +239,9 @@ class WorkerRegistry:
     def _sync_workers(self) -> None:
         wanted = {(role, a) for (role, _), t in self.targets.items() for a in t.addresses}
         for key in wanted - self.workers.keys():
-            channel = grpc.aio.insecure_channel(key[1], options=CHANNEL_OPTIONS)
+            channel = tls.aio_channel(
+                key[1], self._credentials, self.config.worker_tls_server_name, CHANNEL_OPTIONS
+            )
             self.workers[key] = Worker(key[0], key[1], channel)
             log.info("%s worker %s added", *key)
         for key in self.workers.keys() - wanted:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pdpb.v1 import common_pb2
 from router.protocol import GenerationRequest
 from router.reasoning import ReasoningParser, ReasoningStream
+from router.tools import ForcedToolParser, ToolCallStream, ToolParser
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -41,6 +42,7 @@ class ChoiceState:
     prompt_logprobs: list = field(default_factory=list)
     prompt_tokens: int = 0
     reasoning: ReasoningStream | None = None  # chat with a reasoning parser
+    tools: ToolCallStream | None = None  # chat with tool_choice "auto"
 
 
 class ResponseBuilder:
@@ -50,6 +52,7 @@ class ResponseBuilder:
         request_id: str,
         model: str,
         reasoning_parser: ReasoningParser | None = None,
+        tool_parser: ToolParser | None = None,
     ):
         self.req = req
         self.model = model
@@ -63,6 +66,14 @@ class ResponseBuilder:
             self.thinking = self.parser.thinking(req.prompts[0].chat_template_kwargs)
             for s in self.states:
                 s.reasoning = ReasoningStream(self.thinking)
+        # tool calls are looked for in the content (after reasoning), only when the
+        # request lets the model choose (vLLM does the same)
+        self.tool_parser = tool_parser if self.chat and req.tool_choice == "auto" else None
+        if self.chat and req.tool_choice in ("required", "named"):  # constrained to calls
+            self.tool_parser = ForcedToolParser(req.tool_choice_name)
+        if self.tool_parser is not None:
+            for s in self.states:
+                s.tools = self.tool_parser.stream(req.parallel_tool_calls)
 
     # ----------------------------------------------------------------- accumulation
 
@@ -213,6 +224,8 @@ class ResponseBuilder:
                     )
                 )
             delta = self._delta(s, text, finish)
+            if finish and s.tools is not None and s.tools.calls and self._calls_finish():
+                finish = "tool_calls"
             if not (delta or resp.logprobs or finish):
                 return out
             choice = {
@@ -237,13 +250,24 @@ class ResponseBuilder:
         out.append(self._chunk([choice]))
         return out
 
+    def _calls_finish(self) -> bool:
+        """finish_reason "tool_calls" when the model chose to call (auto) or had to
+        call one of several (required); a named function ends with "stop", as in
+        OpenAI's and vLLM's answers."""
+        return self.req.tool_choice != "named"
+
     def _delta(self, s: ChoiceState, text: str, finish: str | None) -> dict:
-        if s.reasoning is None:
-            return {"content": text} if text else {}
-        reasoning, content = s.reasoning.feed(text)
-        if finish:
-            r, c = s.reasoning.finish()
-            reasoning, content = reasoning + r, content + c
+        reasoning, content, calls = "", text, []
+        if s.reasoning is not None:
+            reasoning, content = s.reasoning.feed(text)
+            if finish:
+                r, c = s.reasoning.finish()
+                reasoning, content = reasoning + r, content + c
+        if s.tools is not None:
+            content, calls = s.tools.feed(content)
+            if finish:
+                c, more = s.tools.finish()
+                content, calls = content + c, calls + more
         delta = {}
         if reasoning:
             # `reasoning` is vLLM's current name, `reasoning_content` the one clients
@@ -251,6 +275,8 @@ class ResponseBuilder:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
+        if calls:  # each call whole, in one delta (router/tools.py)
+            delta["tool_calls"] = [{"index": c.index, **c.to_dict()} for c in calls]
         return delta
 
     def usage_chunk(self) -> dict:
@@ -271,6 +297,13 @@ class ResponseBuilder:
                     message.update(
                         content=content, reasoning=reasoning, reasoning_content=reasoning
                     )
+                if self.tool_parser is not None:
+                    content, calls = self.tool_parser.parse(
+                        message["content"] or "", self.req.parallel_tool_calls
+                    )
+                    if calls:  # without calls the content is the text unchanged
+                        message["content"] = content
+                        message["tool_calls"] = [c.to_dict() for c in calls]
                 choice = {
                     "index": s.index,
                     "message": message,
@@ -288,7 +321,8 @@ class ResponseBuilder:
                 }
                 if self.req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(s)
-            choice["finish_reason"] = s.finish_reason
+            called = self.chat and "tool_calls" in choice["message"] and self._calls_finish()
+            choice["finish_reason"] = "tool_calls" if called else s.finish_reason
             choice["stop_reason"] = s.stop_reason
             choices.append(choice)
         body = {

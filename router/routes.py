@@ -25,6 +25,7 @@ from router.protocol import (
 from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG
 from router.responses import ResponseBuilder
 from router.state import STATE, RouterState
+from router.tools import check_tool_choice
 
 
 async def read_json(request: web.Request, limit: int):
@@ -101,6 +102,11 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
     state = request.app[STATE]
     log = request[REQUEST_LOG]
     req = parse(await read_json(request, state.config.max_body_bytes))
+    check_tool_choice(req.tool_choice, state.tool_parser)
+    keep = getattr(state.tool_parser, "keeps_special_tokens", False)
+    if keep and req.tool_choice == "auto" and "skip_special_tokens" not in req.sampling:
+        # its calls start with a special token ([TOOL_CALLS]) that decoding would drop
+        req.sampling["skip_special_tokens"] = False
     model, worker_model = resolve_model(state, req.model)
     check_context(state, req, worker_model)
     if not state.limit.try_acquire():
@@ -110,7 +116,9 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
         )
     state.metrics.inflight.inc()
     started = time.monotonic()
-    builder = ResponseBuilder(req, request[REQUEST_ID], model, state.reasoning_parser)
+    builder = ResponseBuilder(
+        req, request[REQUEST_ID], model, state.reasoning_parser, state.tool_parser
+    )
     try:
         async with state.dispatcher.run(
             req, request[REQUEST_ID], log, worker_model, model_name=model

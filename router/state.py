@@ -12,6 +12,7 @@ from router.limits import ConcurrencyLimit
 from router.metrics import RouterMetrics
 from router.reasoning import ReasoningParser, make_reasoning_parser
 from router.registry import WorkerRegistry
+from router.tools import ToolParser, make_tool_parser
 
 
 @dataclass
@@ -22,6 +23,7 @@ class RouterState:
     dispatcher: Dispatcher
     limit: ConcurrencyLimit
     reasoning_parser: ReasoningParser | None = None
+    tool_parser: ToolParser | None = None  # only with enable_auto_tool_choice
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterState:
@@ -35,6 +37,11 @@ class RouterState:
             limit=ConcurrencyLimit(config.max_concurrent_requests),
             reasoning_parser=(
                 make_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+            ),
+            tool_parser=(
+                make_tool_parser(config.tool_call_parser)
+                if config.enable_auto_tool_choice
+                else None
             ),
         )
 

@@ -53,6 +53,13 @@ def test_bad_reasoning_parser_is_refused_before_starting(capsys):
     assert "--reasoning-parser 'qwen9': choose one of" in capsys.readouterr().err
 
 
+def test_bad_tool_flags_are_refused_before_starting(capsys):
+    assert main(["up", "--tool-call-parser", "mistral", "--port", "1"]) == 2
+    assert "--tool-call-parser 'mistral': choose one of hermes" in capsys.readouterr().err
+    assert main(["up", "--enable-auto-tool-choice", "--port", "1"]) == 2
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
 def test_hint_when_gpu_workers_would_move_kv_over_tcp():
     from pdserve.launcher import transport_hint
 
@@ -180,6 +187,7 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
     cmd = [sys.executable, "-m", "pdserve", "up", "--model", str(default_model_dir)]
     cmd += ["--port", str(port), "--prefill", "0", "--decode", "1"]
     cmd += ["--reasoning-parser", "deepseek_r1"]  # reaches the router (checked below)
+    cmd += ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]  # likewise
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
     )
@@ -211,6 +219,13 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
         )
         message = chat.choices[0].message
         assert (message.model_extra or {}).get("reasoning_content") and not message.content
+        # the tool flags reached the router: a request with tools (tool_choice "auto")
+        # is served, not refused
+        tool = {"type": "function", "function": {"name": "f"}}
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], tools=[tool], max_tokens=2
+        )
+        assert chat.choices[0].finish_reason in ("length", "stop", "tool_calls")
         # the decode worker's own report: every KV block free again
         from tests.workers.procs import Worker
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from kvtransfer import KVAgentInfo, KVLayout
 from pdpb.v1 import common_pb2, decode_pb2
 from services.engine import SamplingParams
+from services.engine.sampling_params import StructuredOutput
 from services.engine.sequence import Logprob
 
 _FINISH = {
@@ -41,12 +44,20 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         if pb.HasField(name):
             kwargs[name] = getattr(pb, name)
     kwargs["logit_bias"] = dict(pb.logit_bias)
+    kwargs["priority"] = pb.priority
     kwargs["bad_words"] = list(pb.bad_words)
     if pb.HasField("allowed_token_ids"):
         kwargs["allowed_token_ids"] = list(pb.allowed_token_ids.ids)
+    if pb.HasField("structured_output"):
+        so = pb.structured_output
+        kwargs["structured_output"] = StructuredOutput(so.kind, so.spec)
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # unset: until the context is full or a stop
     return SamplingParams(**kwargs)
+
+
+def structured_output_to_pb(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=so.kind, spec=so.spec)
 
 
 def logprob_to_pb(
@@ -133,3 +144,22 @@ def timings_to_pb(timings) -> decode_pb2.Timings:
         kv_transfer_seconds=timings.kv_transfer_seconds,
         prefill_fallback=timings.prefill_fallback,
     )
+
+
+def chat_messages_from_pb(chat: common_pb2.Conversation) -> tuple[list[dict], list[dict] | None]:
+    """A Conversation's messages as the chat template reads them (each message's tool
+    fields merged in) and its tools; raises ValueError for malformed tool JSON."""
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    extras = list(chat.message_tools_json)
+    if extras and len(extras) != len(messages):
+        raise ValueError("message_tools_json must have one entry per message")
+    for message, extra in zip(messages, extras):
+        if extra:
+            fields = json.loads(extra)
+            if not isinstance(fields, dict):
+                raise ValueError("a message's tool fields must be a JSON object")
+            message.update(fields)
+    tools = json.loads(chat.tools_json) if chat.tools_json else None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools must be a JSON list")
+    return messages, tools

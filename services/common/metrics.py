@@ -58,6 +58,16 @@ class WorkerMetrics:
         )
         self.free_blocks = Gauge("pdserve_free_kv_blocks", "Free KV blocks", registry=self.registry)
         self.total_blocks = Gauge("pdserve_total_kv_blocks", "KV blocks", registry=self.registry)
+        self.orphaned_blocks = Gauge(
+            "pdserve_orphaned_kv_blocks",
+            "KV blocks held beyond what the worker's known requests hold (a leak; must be 0)",
+            registry=self.registry,
+        )
+        self.oldest_reservation = Gauge(
+            "pdserve_oldest_kv_reservation_seconds",
+            "Age of the oldest KV reservation (blocks awaiting or sending a transfer)",
+            registry=self.registry,
+        )
         self.info = Gauge(
             "pdserve_worker_info", "Worker role", list(labels), registry=self.registry
         )
@@ -76,6 +86,9 @@ class WorkerMetrics:
         self.waiting.set(stats["num_waiting"])
         self.free_blocks.set(stats["num_free_blocks"])
         self.total_blocks.set(stats["num_total_blocks"])
+        if "orphaned_kv_blocks" in stats:
+            self.orphaned_blocks.set(stats["orphaned_kv_blocks"])
+            self.oldest_reservation.set(stats["oldest_kv_reservation_seconds"])
         self.vllm_running.set(stats["num_running"])
         self.vllm_waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]

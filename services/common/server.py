@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import KVConnector, create_connector
+from pdpb import tls
 from pdpb.v1 import common_pb2
 from services.common.engine_loop import EngineLoop
 from services.common.interceptor import WorkerInterceptor
@@ -41,7 +42,9 @@ class WorkerContext:
         self.role = role
         self.engine_config = engine_config
         self.settings = settings
-        self.metrics = WorkerMetrics(role, model_name=engine_config.model)
+        self.metrics = WorkerMetrics(
+            role, model_name=settings.served_model_name or engine_config.model
+        )
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.connector: KVConnector | None = None
@@ -130,7 +133,14 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = add_servicers(server, ctx)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls:
+        creds = tls.server_credentials(
+            settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ValueError(f"cannot listen on {settings.host}:{settings.port}")
     for name in ["", *service_names]:
@@ -196,8 +206,10 @@ def _announce(
     sys.stdout.flush()
 
 
-def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
+async def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
     stats = ctx.engine.stats()
+    audit = await ctx.loop.call(ctx.engine.kv_audit)  # on the engine's thread
+    stats.update(audit.as_dict())
     ctx.metrics.update_load(stats)
     kv = ctx.connector.stats()
     return common_pb2.LoadReport(
@@ -212,4 +224,6 @@ def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
         kv_transfers_failed=int(kv.get("transfers_failed", 0)),
         kv_transfer_bytes=int(kv.get("bytes", 0)),
         prefill_fallbacks=ctx.metrics.num_prefill_fallbacks,
+        orphaned_kv_blocks=audit.orphaned_blocks,
+        oldest_kv_reservation_seconds=audit.oldest_reservation_s,
     )

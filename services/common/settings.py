@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtransfer.faults import TransferFaults
+from pdpb import tls
 
 FAILURE_POLICIES = ("recompute", "fail")
 TRANSFER_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
@@ -20,8 +21,19 @@ ABANDONED_WRITE_WAIT_S = 45.0
 @dataclass
 class WorkerSettings:
     host: str = "127.0.0.1"
+    served_model_name: str | None = None  # metrics' model_name label; None: the model
     port: int = 50051
     metrics_port: int | None = None  # Prometheus /metrics; None: off
+    # TLS on the gRPC port (pdpb/tls.py); no certificate: plaintext
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # clients must present a certificate this CA signed (mutual TLS); the decode worker
+    # also verifies prefill workers' certificates against it
+    tls_ca_file: str | None = None
+    # decode worker -> prefill workers: its client certificate (default: its server pair)
+    tls_client_cert_file: str | None = None
+    tls_client_key_file: str | None = None
+    tls_server_name: str | None = None  # name in prefill workers' certificates, if not their host
     # KV transfer
     transfer_backend: str = "mooncake"
     transfer_protocol: str = "tcp"
@@ -46,6 +58,19 @@ class WorkerSettings:
     transfer_faults: TransferFaults = field(default_factory=TransferFaults)
 
     @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @property
+    def tls_client_pair(self) -> tuple[str | None, str | None]:
+        """The decode worker's client identity toward prefill workers: one certificate
+        per worker (serverAuth + clientAuth) is the usual setup, so its server pair
+        unless a separate client pair is given."""
+        if self.tls_client_cert_file is not None:
+            return self.tls_client_cert_file, self.tls_client_key_file
+        return self.tls_cert_file, self.tls_key_file
+
+    @property
     def abort_timeout_s(self) -> float:
         """The longest a prefill worker's Abort may take to confirm that no write can
         land any more: its transfer deadline plus the wait for an abandoned engine call
@@ -57,6 +82,7 @@ class WorkerSettings:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        self._check_tls()
         if self.transfer_protocol not in TRANSFER_PROTOCOLS:
             raise ValueError(
                 f"transfer_protocol must be one of {TRANSFER_PROTOCOLS}, got {self.transfer_protocol!r}"
@@ -79,3 +105,20 @@ class WorkerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+
+    def _check_tls(self) -> None:
+        tls.check_pair(self.tls_cert_file, self.tls_key_file, "--tls-cert-file", "--tls-key-file")
+        tls.check_pair(
+            self.tls_client_cert_file,
+            self.tls_client_key_file,
+            "--tls-client-cert-file",
+            "--tls-client-key-file",
+        )
+        tls.check_ca(self.tls_ca_file, "--tls-ca-file")
+        tls.check_server_name(self.tls_server_name, "--tls-server-name")
+        if not self.tls:
+            # a TLS flag without a server certificate would leave the worker plaintext
+            for name in ("tls_ca_file", "tls_client_cert_file", "tls_server_name"):
+                if getattr(self, name) is not None:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(f"{flag} needs --tls-cert-file and --tls-key-file")

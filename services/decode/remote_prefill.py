@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvtransfer import KVLayoutMismatch
+from pdpb import tls
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
 from services.common.errors import PeerFailedError
@@ -39,10 +40,18 @@ class PrefillPeers:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        s = ctx.settings
+        # a TLS decode worker calls prefill workers over TLS too, presenting its client
+        # identity for their mutual TLS
+        self._credentials = (
+            tls.channel_credentials(s.tls_ca_file, *s.tls_client_pair) if s.tls else None
+        )
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = tls.aio_channel(
+                address, self._credentials, self.ctx.settings.tls_server_name
+            )
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
     async def session(self, address: str, timeout: float) -> str:

@@ -30,12 +30,13 @@ def _chat_ids(tokenizer, chat, add_special_tokens: bool = False) -> list[int]:
         kwargs = json.loads(chat.chat_template_kwargs_json)
         if not isinstance(kwargs, dict):
             raise ValueError("chat_template_kwargs must be a JSON object")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages, tools = convert.chat_messages_from_pb(chat)
     return apply_chat_template(
         tokenizer,
         messages,
         add_special_tokens=add_special_tokens,
         template_kwargs=kwargs,
+        tools=tools,
         add_generation_prompt=(
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         ),
@@ -83,7 +84,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.AddPrefillPeerResponse(session_id=session)
 
     async def GetLoad(self, request, context):
-        return load_report(self.ctx, common_pb2.ROLE_DECODE)
+        return await load_report(self.ctx, common_pb2.ROLE_DECODE)
 
     async def Abort(self, request, context):
         key = self.active.key_of(request.request_id)

@@ -4,7 +4,7 @@ from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import KVReservation, LLMEngine, NoFreeBlocksError
 from services.engine.outputs import CompletionOutput, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.models.tokenizer import apply_chat_template
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "NoFreeBlocksError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "apply_chat_template",
 ]

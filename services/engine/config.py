@@ -12,6 +12,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter", "tuned")
 # vLLM's spellings; "fp8" is its alias of fp8_e4m3 (float8_e4m3fn, per-layer K / V scales)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 QUANTIZATIONS = (None, "fp8")
+# vLLM's: first come first served, or by each request's priority (lower first)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class EngineConfig:
     # ranks (one process and device each) that split the model's heads and MLP widths;
     # rank 0 is this process
     tensor_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -101,6 +104,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

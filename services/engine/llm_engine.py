@@ -11,6 +11,7 @@ Not thread-safe: the caller drives it from one thread."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.kv_audit import KVAudit, audit_kv
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampler import (
@@ -31,6 +33,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
 from services.engine.sequence import Logprob, Sequence, SequenceStatus
 from services.engine.startup import StartupPhases
+from services.engine.structured import Grammars, GrammarState
 from services.models.loader import check_supported, load_hf_config, resolve_model_path
 from services.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -66,6 +69,7 @@ class _Request:
     stop_token_ids: list[int]
     logits_bias: torch.Tensor | None = None  # see SamplingRequest
     bad_word_seqs: list[list[int]] | None = None
+    grammar: GrammarState | None = None  # structured output's matcher
 
 
 class LLMEngine:
@@ -93,6 +97,7 @@ class LLMEngine:
             self.runner.close()  # no tensor-parallel rank outlives a failed start
             raise
         self.requests: dict[str, _Request] = {}
+        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         # async scheduling: prefill workers never decode, so they never pipeline
         self._async = config.async_scheduling_enabled and config.role != "prefill"
@@ -118,7 +123,10 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
         )
 
     def close(self) -> None:
@@ -155,6 +163,12 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            # vLLM's answer under its default policy: a priority would be a promise not kept
+            raise ValueError(
+                "priority scheduling is not enabled: this worker schedules first come, "
+                "first served (--scheduling-policy fcfs); 'priority' must be 0"
+            )
         vocab = self.hf_config.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias),
@@ -165,6 +179,8 @@ class LLMEngine:
                 raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model has none")
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # cached; ValueError if bad
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
@@ -209,6 +225,7 @@ class LLMEngine:
             stop_ids,
             logits_bias_row(params, banned, self.hf_config.vocab_size, self.runner.device),
             [w for w in words if len(w) > 1] or None,
+            self.grammars.state(params.structured_output) if params.structured_output else None,
         )
 
     def _bad_word_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -347,6 +364,7 @@ class LLMEngine:
             req.generator,
             req.logits_bias,
             req.bad_word_seqs,
+            req.grammar.next_bitmask() if req.grammar is not None else None,
         )
 
     def _process_samples(
@@ -359,6 +377,7 @@ class LLMEngine:
                 self._append_token(seq, token, lp)
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.PREFILLED  # blocks kept until release()
+                seq.reserved_at = time.monotonic()
                 outputs.append(self._make_output(seq, finished=True))
                 continue
             outputs.append(self._append_and_check(seq, token, lp))
@@ -385,11 +404,14 @@ class LLMEngine:
         n_out = seq.num_output_tokens
         min_reached = n_out >= params.min_tokens
         stop_str = req.detok.add_tokens([token], check_stop=min_reached)
+        grammar_done = req.grammar is not None and req.grammar.accept(token)
         if stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif min_reached and token in req.stop_token_ids:
             # as vLLM: stop_reason is the id for stop_token_ids, None for plain EOS
             self._finish(seq, "stop", token if token in params.stop_token_ids else None)
+        elif grammar_done:  # it accepted its stop token (EOS) even under ignore_eos
+            self._finish(seq, "stop", None)
         elif params.max_tokens is not None and n_out >= params.max_tokens:
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
@@ -506,3 +528,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+    def kv_audit(self) -> KVAudit:
+        """Orphaned KV blocks and the oldest reservation (call on the engine's thread)."""
+        return audit_kv(self)

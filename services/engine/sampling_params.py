@@ -2,7 +2,50 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+# vLLM's structured_outputs keys
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output (vLLM's structured_outputs). kind: json (spec: a
+    JSON schema as JSON text; a dict is dumped), json_object (no spec), regex, choice
+    (spec: a JSON list of strings; a list is dumped) or grammar (EBNF / GBNF). Only the
+    shape is checked here: the engine compiles the spec, refusing one that does not
+    compile, when it validates the request. Messages start with "structured output"
+    (the router names its field when a worker refuses one)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind in ("json", "choice") and not isinstance(self.spec, str):
+            object.__setattr__(self, "spec", json.dumps(self.spec, ensure_ascii=False))
+        what = f"structured output ({self.kind})"
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"{what}: the spec must be a string")
+        if self.kind == "json_object":
+            if self.spec:
+                raise ValueError(f"{what} takes no spec")
+            return
+        if not self.spec:
+            raise ValueError(f"{what}: the spec must not be empty")
+        if self.kind in ("json", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as e:
+                raise ValueError(f"{what}: not valid JSON: {e}") from None
+            if self.kind == "json" and not isinstance(value, (dict, bool)):
+                raise ValueError(f"{what}: a JSON schema must be an object")
+            if self.kind == "choice" and not (
+                isinstance(value, list) and value and all(isinstance(c, str) for c in value)
+            ):
+                raise ValueError(f"{what}: choices must be a non-empty list of strings")
 
 
 @dataclass
@@ -29,6 +72,9 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None  # None: every token
     truncate_prompt_tokens: int | None = None  # keep the last N; -1: max_model_len
+    structured_output: StructuredOutput | None = None
+    # scheduling_policy "priority": lower values are scheduled first (vLLM's rule)
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -83,6 +129,11 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         if t is not None and t != -1 and t < 1:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {t}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutput):
+            raise ValueError("structured_output must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

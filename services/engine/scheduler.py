@@ -10,6 +10,9 @@ ids; it never touches tensors.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,17 +43,34 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        policy: str = "fcfs",
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # "priority": the waiting queue in (priority, arrival) order, and memory taken
+        # from the running sequence last in that order (vLLM's policy)
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.arrival is None:
+            seq.arrival = next(self._arrivals)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        if not self.by_priority:
+            if front:  # a preempted sequence goes first again
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+            return
+        keys = [_order(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _order(seq)), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV is already in place (decode role)."""
@@ -77,7 +97,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()
+                victim = self._victim()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -154,6 +174,7 @@ class Scheduler:
             bm.free(seq)
             return False
         seq.status = SequenceStatus.AWAITING_KV
+        seq.reserved_at = time.monotonic()
         return True
 
     def admit_remote(self, seq: Sequence) -> None:
@@ -173,9 +194,22 @@ class Scheduler:
             "prefix_cache_queried_blocks": bm.prefix_queries,
         }
 
+    def _victim(self) -> Sequence:
+        """The running sequence that gives its memory back: the newest, or by priority
+        the last in (priority, arrival) order."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running, key=_order)
+        self.running.remove(victim)
+        return victim
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.params.priority, seq.arrival if seq.arrival is not None else 0

@@ -44,6 +44,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # monotonic time its blocks became a reservation (AWAITING_KV / PREFILLED)
+    reserved_at: float | None = None
+    arrival: int | None = None  # the scheduler's arrival order (priority ties)
 
     def __post_init__(self):
         if not self.token_ids:

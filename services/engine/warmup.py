@@ -271,6 +271,7 @@ def warm_up(engine, shapes: list[BatchShape] | None = None) -> WarmupReport:
                 log.info("warm-up: %d / %d batches", i + 1, len(shapes))
                 last_log = time.perf_counter()
         role_path = _run_role_path(engine)
+        _prepare_structured_output(engine)
     finally:
         # back to the exact starting state: nothing hashed, blocks in their LRU order
         bm.reset_prefix_cache()
@@ -288,6 +289,16 @@ def warm_up(engine, shapes: list[BatchShape] | None = None) -> WarmupReport:
         report.seconds,
     )
     return report
+
+
+def _prepare_structured_output(engine) -> None:
+    """Import the grammar library and build the tokenizer's grammar tables now (about
+    2 s on first use), not in the first structured request's validation."""
+    if engine.tokenizer is None:
+        return
+    from services.engine.sampling_params import StructuredOutput
+
+    engine.grammars.compile(StructuredOutput("json_object", ""))
 
 
 def _token_ids(n: int, vocab: int, salt: int) -> list[int]:

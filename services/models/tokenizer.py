@@ -69,6 +69,7 @@ def apply_chat_template(
     *,
     add_special_tokens: bool = False,
     template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
     **kwargs,
 ) -> list[int]:
     """Token ids of one conversation through the model's chat template, with the
@@ -77,7 +78,9 @@ def apply_chat_template(
     reach the template and may not set apply_chat_template's arguments. Special
     tokens are not added by default (vLLM's chat default: the template writes them).
     Raises ValueError for anything the template refuses (empty conversation, bad roles
-    or order, generation prompt together with continue_final_message)."""
+    or order, generation prompt together with continue_final_message). tools (OpenAI's
+    [{"type": "function", "function": {...}}]) are the template's `tools`; messages may
+    carry tool_calls (arguments as objects) and tool results (role "tool")."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: send token ids")
     if not messages:
@@ -87,6 +90,8 @@ def apply_chat_template(
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
         kwargs = {**template_kwargs, **kwargs}
+    if tools:
+        kwargs["tools"] = tools
     kwargs.setdefault("add_generation_prompt", True)
     if kwargs["add_generation_prompt"] and kwargs.get("continue_final_message"):
         raise ValueError("add_generation_prompt and continue_final_message are exclusive")

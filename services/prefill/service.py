@@ -215,7 +215,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
-        return load_report(self.ctx, common_pb2.ROLE_PREFILL)
+        return await load_report(self.ctx, common_pb2.ROLE_PREFILL)
 
     def _expire_aborted(self) -> None:
         now = time.monotonic()

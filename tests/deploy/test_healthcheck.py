@@ -127,3 +127,47 @@ def test_auto_mode_follows_the_process(grpc_health_server):
 def test_usage_errors():
     assert run("grpc") == 2
     assert run("ftp", "x") == 2
+
+
+def test_grpc_mode_over_mutual_tls(tmp_path):
+    """The Helm chart's worker probes with tls.enabled: healthcheck.py over mutual TLS,
+    its files and the name to expect from PDSERVE_HEALTHCHECK_TLS_*."""
+    from tests.pki import SERVER_NAME, make_pki
+
+    pki = make_pki(tmp_path)
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    creds = grpc.ssl_server_credentials(
+        [(read(pki.named.key), read(pki.named.cert))],
+        root_certificates=read(pki.ca),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    address = f"127.0.0.1:{port}"
+    env = {
+        "PDSERVE_HEALTHCHECK_TLS_CA_FILE": pki.ca,
+        "PDSERVE_HEALTHCHECK_TLS_CERT_FILE": pki.named.cert,
+        "PDSERVE_HEALTHCHECK_TLS_KEY_FILE": pki.named.key,
+        "PDSERVE_HEALTHCHECK_TLS_SERVER_NAME": SERVER_NAME,
+    }
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert run("grpc", address, env=env) == 0
+        assert run("grpc", address) == 1  # plaintext: refused
+        no_name = {k: v for k, v in env.items() if not k.endswith("SERVER_NAME")}
+        assert run("grpc", address, env=no_name) == 1  # the certificate names no IP
+        no_cert = {k: v for k, v in env.items() if "CERT" not in k and "KEY" not in k}
+        assert run("grpc", address, env=no_cert) == 1  # mutual TLS: no client certificate
+        missing = {**env, "PDSERVE_HEALTHCHECK_TLS_CA_FILE": str(tmp_path / "nope")}
+        assert run("grpc", address, env=missing) == 1
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert run("grpc", address, env=env) == 1
+    finally:
+        server.stop(0)

@@ -143,7 +143,9 @@ def test_defaults():
     assert kinds_found == sorted(
         [
             f"ConfigMap/{name('router')}",
-            f"Secret/{name('router')}",  # the generated /admin token
+            f"NetworkPolicy/{name('decode')}",
+            f"NetworkPolicy/{name('prefill')}",
+            f"NetworkPolicy/{name('router')}",
             f"Deployment/{name('decode')}",
             f"Deployment/{name('prefill')}",
             f"Deployment/{name('router')}",
@@ -181,16 +183,10 @@ def test_defaults():
     parsed, config = _router_cli(docs)
     assert (config.prefill_policy, config.decode_policy) == ("round_robin", "least_load")
     assert config.api_keys == ()
-    # /admin is protected by a generated token
-    secret = find(docs, "Secret", name("router"))
-    assert set(secret["data"]) == {"admin-token"}
-    assert len(base64.b64decode(secret["data"]["admin-token"])) == 32
-    env = {e["name"]: e for e in container(find(docs, "Deployment", name("router")))["env"]}
-    assert env["PDSERVE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-        "name": name("router"),
-        "key": "admin-token",
-    }
-    assert "PDSERVE_API_KEY" not in env
+    # /admin is off: no token anywhere (no Secret at all, see the kinds above)
+    assert config.admin_token is None
+    assert "env" not in container(find(docs, "Deployment", name("router")))  # no key, no token
+    assert "/admin endpoints are off" in notes
     assert find(docs, "Service", name("router"))["spec"]["type"] == "ClusterIP"
     assert f"port-forward svc/{name('router')} 8000:8000" in notes
     assert "/v1/chat/completions" in notes and "from openai import OpenAI" in notes
@@ -283,7 +279,7 @@ def test_xpyd_rdma():
     c = container(router)
     key = next(e for e in c["env"] if e["name"] == "PDSERVE_API_KEY")
     assert key["valueFrom"]["secretKeyRef"] == {"name": "pdserve-api-key", "key": "api-key"}
-    assert "api-key" not in find(docs, "Secret", name("router"))["data"]
+    assert not kinds(docs, "Secret")  # the key's Secret is the user's; /admin is off
     assert c["image"] == "registry.example.com/pdserve-router:0.1.0"
     assert router["spec"]["replicas"] == 2
     parsed, config = _router_cli(docs)
@@ -374,8 +370,17 @@ def test_api_key_value_admin_secret_and_amd_gpus():
         "name": "ops",
         "key": "token",
     }
-    no_admin = helm.render({"router": {"adminToken": {"generate": False}}})
-    assert not kinds(no_admin, "Secret")
+    # generate: a random 32-character token in the chart's Secret, given to the router
+    docs_gen, notes = helm.render({"router": {"adminToken": {"generate": True}}}, notes=True)
+    secret = find(docs_gen, "Secret", name("router"))
+    assert set(secret["data"]) == {"admin-token"}
+    assert len(base64.b64decode(secret["data"]["admin-token"])) == 32
+    env_gen = {e["name"]: e for e in container(find(docs_gen, "Deployment", name("router")))["env"]}
+    assert env_gen["PDSERVE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": name("router"),
+        "key": "admin-token",
+    }
+    assert "The token of the router's /admin endpoints" in notes
     requests, limits = _resources(find(docs, "Deployment", name("decode")))
     assert limits["amd.com/gpu"] == 2
 
@@ -452,6 +457,7 @@ BAD = [
     ({"decode": {"prefillFailurePolicy": "retry"}}, "/decode/prefillFailurePolicy"),
     ({"prefill": {"prefillTimeout": 5}}, "prefillTimeout"),  # decode-only key
     ({"router": {"policy": {"prefill": "random"}}}, "/router/policy/prefill"),
+    ({"router": {"toolCallParser": "pythonic"}}, "/router/toolCallParser"),
     ({"prefill": {"gpu": {"count": -1}}}, "/prefill/gpu/count"),
     ({"prefill": {"hugepages": {"size": "4Mi"}}}, "/prefill/hugepages/size"),
     ({"model": {"source": "pvc"}}, "claimName"),
@@ -511,6 +517,14 @@ def test_no_prefill_pool_runs_the_router_colocated():
     # autoscaled prefill pools keep their address whatever replicas says
     docs = helm.render({"prefill": {"replicas": 0, "autoscaling": {"enabled": True}}})
     assert len(_router_cli(docs)[1].prefill) == 1
+
+
+def test_tool_call_parser_enables_auto_tool_choice():
+    """router.toolCallParser passes vLLM's two tool flags; unset, neither."""
+    config = _router_cli(helm.render())[1]
+    assert (config.tool_call_parser, config.enable_auto_tool_choice) == (None, False)
+    config = _router_cli(helm.render({"router": {"toolCallParser": "hermes"}}))[1]
+    assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)
 
 
 @pytest.mark.parametrize("cache_type", ["image", "emptyDir", "pvc"])

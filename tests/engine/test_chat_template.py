@@ -41,3 +41,14 @@ def test_clashing_options_are_value_errors(tokenizer):
         _text(tokenizer, continue_final_message=True)
     with pytest.raises(ValueError, match="may not set tokenize"):
         _text(tokenizer, template_kwargs={"tokenize": False})
+
+
+def test_tools_reach_the_template(tokenizer):
+    template = "{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}" + TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    text = tokenizer.decode(
+        apply_chat_template(tokenizer, MSGS, chat_template=template, tools=tools)
+    )
+    assert text.startswith("<get_time>[user]hi")
+    with pytest.raises(ValueError, match="may not set tools"):
+        _text(tokenizer, template_kwargs={"tools": tools})

@@ -23,6 +23,7 @@ def test_defaults(monkeypatch):
     assert (cfg.host, cfg.port) == ("0.0.0.0", 8000)
     assert (cfg.prefill_policy, cfg.decode_policy) == ("round_robin", "least_load")
     assert cfg.api_keys == () and cfg.admin_token is None and cfg.served_model_name is None
+    assert cfg.enable_log_requests is False  # no prompt text in logs unless asked for
 
 
 def test_flags(monkeypatch):
@@ -33,7 +34,7 @@ def test_flags(monkeypatch):
         "--api-key", "a,b", "--api-key", "c", "--admin-token", "t",
         "--served-model-name", "llama", "--max-body-bytes", "2048",
         "--request-timeout", "30", "--health-interval", "1", "--max-concurrent-requests", "0",
-        "--max-retries", "0", "--port", "9000",
+        "--max-retries", "0", "--port", "9000", "--enable-log-requests",
     )  # fmt: skip
     cfg = config_from_args(args)
     assert cfg.prefill == ("10.0.0.1:50051", "prefill.svc:50051") and cfg.decode == ("[::1]:6000",)
@@ -41,9 +42,18 @@ def test_flags(monkeypatch):
     assert cfg.decode_policy == "prefix_aware" and cfg.admin_token == "t"
     assert cfg.served_model_name == "llama" and cfg.max_body_bytes == 2048 and cfg.port == 9000
     assert cfg.max_concurrent_requests == 0 and cfg.max_retries == 0
+    assert cfg.enable_log_requests is True
     assert config_from_args(parse()).api_keys == ("from-env",)
     monkeypatch.setenv("PDSERVE_API_KEY", "x, y")
     assert config_from_args(parse()).api_keys == ("x", "y")
+
+
+def test_admin_token_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "env-token")
+    assert config_from_args(parse()).admin_token == "env-token"
+    assert config_from_args(parse("--admin-token", "flag")).admin_token == "flag"
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "")
+    assert config_from_args(parse()).admin_token is None  # empty: admin stays off
 
 
 def test_bad_policy_is_rejected_by_the_parser():

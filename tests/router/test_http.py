@@ -1,7 +1,9 @@
 """The router's HTTP surface without workers: errors, auth, limits, probes, metrics,
-admin. The app runs in-process on a free port; the official openai client talks to it."""
+admin, request logging. The app runs in-process on a free port; the official openai client talks to it."""
 
 from __future__ import annotations
+
+import logging
 
 import openai
 import pytest
@@ -145,6 +147,29 @@ def test_api_keys():
         # probes and metrics stay open for Kubernetes and Prometheus
         for path in ("/health", "/metrics"):
             assert http("GET", r.url + path).status == 200
+        # a key that is a prefix, an extension or a non-UTF-8 header never passes
+        for key in ("k", "k1k2", "k1\u00e9"):
+            reply = http("GET", r.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert_openai_error(reply, 401, code="invalid_api_key")
+
+
+def test_admin_is_off_without_a_token(caplog):
+    """No admin token: every /admin call is a 404 in OpenAI's shape saying how to turn
+    them on (the start-up log says it too), and no worker can be added."""
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+    with RouterThread(config()) as r:
+        url = r.url + "/admin/workers"
+        body = {"role": "decode", "address": "127.0.0.1:7"}
+        for method, payload in (("GET", None), ("POST", body), ("DELETE", body), ("PUT", body)):
+            auth = {"Authorization": "Bearer anything"}
+            for headers in (None, auth):
+                err = assert_openai_error(http(method, url, payload, headers=headers), 404)
+                assert "--admin-token" in err["message"], err
+        assert r.state.registry.targets == {}
+    assert any(
+        "admin endpoints (/admin/workers) off" in m and "PDSERVE_ADMIN_TOKEN" in m
+        for m in caplog.messages
+    )
 
 
 def test_admin_workers():
@@ -152,7 +177,12 @@ def test_admin_workers():
         url = r.url + "/admin/workers"
         auth = {"Authorization": "Bearer secret"}
         assert_openai_error(http("GET", url), 401)
-        assert_openai_error(http("GET", url, headers={"Authorization": "Bearer nope"}), 401)
+        for bad in ("nope", "secre", "secret2"):
+            bad_auth = {"Authorization": f"Bearer {bad}"}
+            assert_openai_error(http("GET", url, headers=bad_auth), 401)
+            added = http("POST", url, {"role": "decode", "address": "a:1"}, headers=bad_auth)
+            assert_openai_error(added, 401, code="invalid_admin_token")
+        assert http("GET", url, headers={"X-Admin-Token": "secret"}).status == 200
         assert http("GET", url, headers=auth).json()["workers"] == []
         added = http("POST", url, {"role": "decode", "address": "localhost:7"}, headers=auth)
         assert added.status == 201 and added.json()["resolved"] == ["127.0.0.1:7"]
@@ -177,3 +207,21 @@ def test_admin_workers():
         )
         assert http("DELETE", url + "?role=prefill&address=127.0.0.1:8", headers=auth).status == 200
         assert http("GET", url, headers=auth).json()["workers"] == []
+
+
+def test_request_bodies_logged_only_when_asked(caplog):
+    """--enable-log-requests logs each body at INFO (after auth); by default no body."""
+    caplog.set_level(logging.DEBUG)
+    prompt = "zebra-quartz-31337 says hello"
+    for enabled in (False, True):
+        caplog.clear()
+        cfg = config(served_model_name="m", enable_log_requests=enabled, api_keys=("k",))
+        with RouterThread(cfg) as r:
+            url = r.url + "/v1/completions"
+            http(
+                "POST", url, {"model": "m", "prompt": prompt}, headers={"Authorization": "Bearer k"}
+            )
+            http("POST", url, {"model": "m", "prompt": "refused-by-auth"})  # 401: never logged
+        text = "\n".join(caplog.messages)
+        assert (prompt in text) is enabled, text
+        assert "refused-by-auth" not in text

@@ -33,7 +33,9 @@ def pair(model):
 def wait_ready(r: RouterThread, pairs: int = 1, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while len(r.state.registry.usable_pairs()) < pairs:
-        assert time.monotonic() < deadline, http("GET", r.url + "/admin/workers").json()
+        assert time.monotonic() < deadline, [
+            w.describe() for w in r.state.registry.workers.values()
+        ]
         time.sleep(0.05)
 
 
@@ -442,7 +444,12 @@ def test_router_without_prefill_workers_runs_colocated(pair, colocated):
     admin endpoint switches to disaggregated pairs."""
     prefill, decode = pair
     cfg = RouterConfig(
-        host="127.0.0.1", port=0, prefill=(), decode=(decode.address,), served_model_name=SERVED
+        host="127.0.0.1",
+        port=0,
+        prefill=(),
+        decode=(decode.address,),
+        served_model_name=SERVED,
+        admin_token="ops-token",  # the admin endpoints are off without one
     )
     prompt = "The capital of France is"
     ref = greedy(colocated, prompt, max_tokens=12).output.text
@@ -462,7 +469,10 @@ def test_router_without_prefill_workers_runs_colocated(pair, colocated):
         assert _metric(r, "pdserve_router_queue_time_seconds_count") == 0
 
         added = http(
-            "POST", r.url + "/admin/workers", {"role": "prefill", "address": prefill.address}
+            "POST",
+            r.url + "/admin/workers",
+            {"role": "prefill", "address": prefill.address},
+            headers={"Authorization": "Bearer ops-token"},
         )
         assert added.status == 201
         deadline = time.monotonic() + 30

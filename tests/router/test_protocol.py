@@ -24,7 +24,8 @@ CHAT_ERRORS = [
     (chat(messages=[]), "messages"),
     (chat(messages="hi"), "messages"),
     (chat(messages=["hi"]), "messages[0]"),
-    (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": "function", "content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
     (chat(messages=[{"role": "user"}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
     (
@@ -73,7 +74,7 @@ CHAT_ERRORS = [
     (chat(stream=True, stream_options=[1]), "stream_options"),
     (chat(stream=True, stream_options={"include_usage": 1}), "include_usage"),
     (chat(stop_token_ids=[-1]), "stop_token_ids"),
-    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(tools=[{"type": "function"}]), "tools[0].function"),
     (chat(logit_bias={"1": 101}), "logit_bias"),
     (chat(logit_bias={"a": 1}), "logit_bias"),
     (chat(logit_bias=[1]), "logit_bias"),
@@ -82,7 +83,8 @@ CHAT_ERRORS = [
     (chat(allowed_token_ids=[1, -1]), "allowed_token_ids"),
     (chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
-    (chat(priority=1), "priority"),
+    (chat(priority=1.5), "priority"),
+    (chat(priority=2**40), "priority"),
     (chat(prompt_logprobs=-1), "prompt_logprobs"),
     (chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     (
@@ -93,7 +95,7 @@ CHAT_ERRORS = [
         chat(stream=True, stream_options={"include_obfuscation": True}),
         "stream_options.include_obfuscation",
     ),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "xml"}), "response_format"),
     (chat(temperature=float("nan")), "temperature"),
 ]
 

@@ -27,8 +27,14 @@ class Worker:
     proc: subprocess.Popen
     address: str = ""
     log: list[str] = field(default_factory=list)
+    # a TLS worker: how the test talks to it (grpc.ssl_channel_credentials, and the
+    # grpc.ssl_target_name_override option when needed)
+    credentials: grpc.ChannelCredentials | None = None
+    channel_options: tuple = ()
 
     def channel(self) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, list(self.channel_options))
         return grpc.insecure_channel(self.address)
 
     def load(self) -> common_pb2.LoadReport:
@@ -55,6 +61,8 @@ class Worker:
         while True:
             report = self.load()
             if report.num_free_blocks == report.num_total_blocks or time.monotonic() > deadline:
+                # leak accounting agrees: nothing held beyond the known requests
+                assert report.orphaned_kv_blocks == 0, report
                 return report
             time.sleep(0.05)
 

@@ -30,7 +30,7 @@ ROLE_DECODE: Role
 ROLE_BOTH: Role
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens", "prompt_logprobs", "logit_bias", "bad_words", "allowed_token_ids", "truncate_prompt_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens", "prompt_logprobs", "logit_bias", "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "structured_output", "priority")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class SamplingParams(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -80,7 +82,17 @@ class SamplingParams(_message.Message):
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     allowed_token_ids: TokenIds
     truncate_prompt_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    structured_output: StructuredOutput
+    priority: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -97,16 +109,20 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Conversation(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json")
+    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "tools_json", "message_tools_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs_json: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
+    tools_json: str
+    message_tools_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., message_tools_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -189,7 +205,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "max_model_len", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "prefill_fallbacks")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "max_model_len", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "prefill_fallbacks", "orphaned_kv_blocks", "oldest_kv_reservation_seconds")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +217,8 @@ class LoadReport(_message.Message):
     KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    ORPHANED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_KV_RESERVATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     num_running: int
@@ -212,7 +230,9 @@ class LoadReport(_message.Message):
     kv_transfers_failed: int
     kv_transfer_bytes: int
     prefill_fallbacks: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ...) -> None: ...
+    orphaned_kv_blocks: int
+    oldest_kv_reservation_seconds: float
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., orphaned_kv_blocks: _Optional[int] = ..., oldest_kv_reservation_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -191,6 +191,9 @@ spec:
             - --reserve-timeout
             - {{ $w.reserveTimeout | toString | quote }}
             {{- end }}
+            {{- if $v.tls.enabled }}
+            {{- include "pdserve.tls.workerArgs" (dict "root" $root "role" $role) | nindent 12 }}
+            {{- end }}
             {{- range $w.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -214,12 +217,20 @@ spec:
             {{- end }}
             - name: GLOG_minloglevel
               value: {{ $v.kvTransfer.logLevel | toString | quote }}
+            # Mooncake's listen ports, the range the NetworkPolicy opens between workers
+            - name: MC_MIN_RPC_PORT
+              value: {{ $v.kvTransfer.portRange.min | int | quote }}
+            - name: MC_MAX_RPC_PORT
+              value: {{ $v.kvTransfer.portRange.max | int | quote }}
             - name: TOKENIZERS_PARALLELISM
               value: "false"
             {{- if eq $v.kvTransfer.protocol "nvlink_intra" }}
             # without it Mooncake silently falls back to TCP
             - name: MC_INTRANODE_NVLINK
               value: "1"
+            {{- end }}
+            {{- if $v.tls.enabled }}
+            {{- include "pdserve.tls.healthcheckEnv" $root | nindent 12 }}
             {{- end }}
             {{- with $w.extraEnv }}
             {{- toYaml . | nindent 12 }}
@@ -233,17 +244,15 @@ spec:
               protocol: TCP
           # grpc.health.v1 answers NOT_SERVING until the model is loaded: the startup probe
           # gives the load periodSeconds x failureThreshold, then readiness / liveness take over.
+          {{- $probe := include "pdserve.tls.probeHandler" (dict "root" $root "port" $w.port) }}
           startupProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- $probe | nindent 12 }}
             {{- toYaml $w.probes.startup | nindent 12 }}
           readinessProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- $probe | nindent 12 }}
             {{- toYaml $w.probes.readiness | nindent 12 }}
           livenessProbe:
-            grpc:
-              port: {{ $w.port }}
+            {{- $probe | nindent 12 }}
             {{- toYaml $w.probes.liveness | nindent 12 }}
           resources:
             {{- toYaml $res | nindent 12 }}
@@ -274,6 +283,9 @@ spec:
             {{- if $hugepages }}
             - name: hugepages
               mountPath: /dev/hugepages
+            {{- end }}
+            {{- if $v.tls.enabled }}
+            {{- include "pdserve.tls.volumeMount" $root | nindent 12 }}
             {{- end }}
       volumes:
         - name: tmp
@@ -308,6 +320,9 @@ spec:
         - name: hugepages
           emptyDir:
             medium: HugePages-{{ $w.hugepages.size }}
+        {{- end }}
+        {{- if $v.tls.enabled }}
+        {{- include "pdserve.tls.volume" $root | nindent 8 }}
         {{- end }}
 ---
 # Headless: the router resolves this name to one address per ready pod.
