@@ -54,8 +54,8 @@ def test_bad_reasoning_parser_is_refused_before_starting(capsys):
 
 
 def test_bad_tool_flags_are_refused_before_starting(capsys):
-    assert main(["up", "--tool-call-parser", "mistral", "--port", "1"]) == 2
-    assert "--tool-call-parser 'mistral': choose one of hermes" in capsys.readouterr().err
+    assert main(["up", "--tool-call-parser", "pythonic", "--port", "1"]) == 2
+    assert "--tool-call-parser 'pythonic': choose one of hermes" in capsys.readouterr().err
     assert main(["up", "--enable-auto-tool-choice", "--port", "1"]) == 2
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
 
