@@ -47,6 +47,9 @@ class BlockManager:
         # ref_count == 0 blocks, least recently freed first (eviction order)
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # Sum of every block's ref_count, kept as it changes so the leak audit never
+        # walks the whole pool (a GPU pool holds ~100k blocks).
+        self.total_refs = 0
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -122,6 +125,7 @@ class BlockManager:
             self._evict(block_id)
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
+        self.total_refs += need
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -132,6 +136,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
+        self.total_refs -= len(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -145,6 +150,7 @@ class BlockManager:
         if block.ref_count == 0:
             del self.free_blocks[block_id]
         block.ref_count += 1
+        self.total_refs += 1
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -43,6 +43,10 @@ def audit_kv(engine, now: float | None = None) -> KVAudit:
         expected.update(seq.block_table)
         if seq.status in _RESERVED and seq.reserved_at is not None:
             oldest = max(oldest, now - seq.reserved_at)
-    blocks = engine.block_manager.blocks
-    orphaned = sum(max(0, b.ref_count - expected[b.block_id]) for b in blocks)
+    # Blocks no known sequence holds count whole; walking only the known ones keeps the
+    # audit proportional to the blocks in use, not to the pool.
+    bm = engine.block_manager
+    held = sum(bm.blocks[b].ref_count for b in expected)
+    orphaned = bm.total_refs - held
+    orphaned += sum(max(0, bm.blocks[b].ref_count - n) for b, n in expected.items())
     return KVAudit(orphaned, round(oldest, 3))

@@ -69,3 +69,29 @@ def test_prefix_caching_disabled_never_hits():
     _admit(bm, a)
     bm.free(a)
     assert bm.find_cached_prefix(_seq("b", range(6))) == []
+
+
+def test_running_reference_total_matches_the_pool_through_random_work():
+    """The leak audit trusts total_refs instead of walking the pool: it must equal the
+    sum of every block's ref_count after any mix of shared prefixes, growth and frees."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=32, block_size=4)
+    live: list[Sequence] = []
+    for step in range(400):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 4):
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            prefix = [1, 2, 3, 4, 5, 6, 7, 8][: rng.choice([0, 4, 8])]
+            seq = _seq(f"s{step}", prefix + [rng.randrange(100) for _ in range(rng.randint(1, 9))])
+            bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
+            if bm.allocate(seq, seq.num_tokens):
+                bm.cache_full_blocks(seq, seq.num_tokens)
+                live.append(seq)
+            else:
+                bm.free(seq)
+        assert bm.total_refs == sum(b.ref_count for b in bm.blocks)
+    for seq in live:
+        bm.free(seq)
+    assert bm.total_refs == 0 and bm.num_free_blocks == 32
