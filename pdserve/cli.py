@@ -58,6 +58,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="largest decode batch run as a CUDA graph (vLLM's name); larger batches run "
+        "eager (default 256)",
+    )
+    p.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default="fcfs",
@@ -103,6 +110,11 @@ def engine_config_from_args(args, role: str):
         kernel_backend=args.kernel_backend,
         kernel_choices=args.kernel_choices,
         enforce_eager=args.enforce_eager,
+        **(
+            {}
+            if args.max_cudagraph_capture_size is None
+            else {"cuda_graph_max_batch": args.max_cudagraph_capture_size}
+        ),
         async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size,
         scheduling_policy=args.scheduling_policy,
@@ -407,6 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the router's --enable-auto-tool-choice: tool_choice 'auto' allowed (needs "
         "--tool-call-parser)",
+    )
+    up.add_argument(
+        "--restart",
+        default="on-failure",
+        help="what happens when a worker dies, as compose's restart policy: on-failure "
+        "(default) starts it again on its address after a backoff (1 s doubling to 30 s) "
+        "unless it exited with code 0 (stopped on purpose); always also then; never stops "
+        "everything. The router dying always stops everything",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="stop everything when a restarted worker exits before it is ready this many "
+        "times in a row (default 3)",
     )
     up.add_argument(
         "worker_args",

@@ -1,8 +1,12 @@
 """`pdserve up`: router + N prefill + M decode workers as processes on this machine.
 
 Workers start on free ports (--port 0, the chosen port is read from their announce
-line), then the router is started with their addresses. Ctrl-C or SIGTERM stops them
-all. Meant for trying pdserve on one machine; production runs each process on its own
+line), then the router is started with their addresses. A worker that dies later is
+started again on its address (--restart, like compose's restart policy), where the
+router's health probes find it again; the router keeps serving on the others meanwhile.
+Ctrl-C or SIGTERM stops them all, and so does the router dying, a worker failing its
+first start, or a worker failing --max-restarts restarts in a row before it is ready.
+Meant for trying pdserve on one machine; production runs each process on its own
 (docker compose, Helm)."""
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import urllib.request
 from pathlib import Path
 
 PDSERVE = [sys.executable, "-m", "pdserve"]
+RESTART_POLICIES = ("on-failure", "always", "never")
+BACKOFF_FIRST_S = 1.0  # delay before a restart, doubled per restart up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 30.0
+STABLE_S = 60.0  # a worker ready this long before it died starts over at BACKOFF_FIRST_S
 
 
 class Child:
@@ -38,6 +46,8 @@ class Child:
         )
         self.address: str | None = None
         self.ready = threading.Event()
+        self.ready_at: float | None = None  # time.monotonic() of its ready line
+        self._group_killed = False
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -46,13 +56,14 @@ class Child:
                 event = json.loads(line[len("PDSERVE ") :])
                 self.address = event["address"]
                 if event["event"] == "ready":
+                    self.ready_at = time.monotonic()
                     self.ready.set()
                     startup = event.get("startup")
                     if startup:  # one line per worker: its start-up phases and total
                         phases = ", ".join(f"{k} {v:.1f}s" for k, v in startup["phases"].items())
                         print(
                             f"pdserve up: {self.name} ready in {startup['total_s']:.1f}s "
-                            f"({phases})",
+                            f"({phases}), pid {self.proc.pid}",
                             flush=True,
                         )
                     continue  # the full event (warm-up shapes) is too long to echo
@@ -67,6 +78,106 @@ class Child:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left of its process group once it has exited: a tensor-parallel
+        worker's rank processes (they also die with it, PR_SET_PDEATHSIG; this makes sure
+        none still holds a device when the worker starts again). Once, right after its
+        exit was seen: later, an empty group's id may belong to another process."""
+        if self._group_killed:
+            return
+        self._group_killed = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def exit_reason(code: int) -> str:
+    """Popen.returncode in words: 'exit code 1', 'signal SIGKILL'."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def restart_settings(args) -> tuple[str, int]:
+    """(--restart, --max-restarts), checked."""
+    policy = getattr(args, "restart", "on-failure")
+    if policy not in RESTART_POLICIES:
+        raise ValueError(f"--restart {policy!r}: choose one of {', '.join(RESTART_POLICIES)}")
+    limit = getattr(args, "max_restarts", 3)
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"--max-restarts must be an integer >= 1, got {limit!r}")
+    return policy, limit
+
+
+def _say(message: str) -> None:
+    print(f"pdserve up: {message}", file=sys.stderr, flush=True)
+
+
+class Supervised:
+    """A worker under a restart policy. When it dies it is started again after a backoff
+    (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S) on the port it had, so the router, which
+    keeps probing the addresses it was given, takes it back into its pool. start(port)
+    starts one life of it (port 0: any free port, for the first)."""
+
+    def __init__(self, name: str, start, policy: str = "on-failure", max_restarts: int = 3):
+        self.name, self.policy, self.max_restarts = name, policy, max_restarts
+        self._start = start
+        self.child: Child = start(0)
+        self.port = 0
+        self.restarts = 0
+        self.failed_starts = 0  # restarts in a row that exited before they were ready
+        self.backoff = BACKOFF_FIRST_S
+        self.restart_at: float | None = None
+        self.left_down = False  # stopped on purpose under on-failure: not restarted
+
+    def step(self, now: float) -> str | None:
+        """Notice an exit, or restart when due. Returns why everything must stop, or None."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.restarts += 1
+                self.child = self._start(self.port)
+                _say(f"{self.name} restarted (pid {self.child.proc.pid}, restart {self.restarts})")
+            return None
+        code = None if self.left_down else self.child.proc.poll()
+        if code is None:
+            return None
+        child = self.child
+        child.kill_group()
+        how = exit_reason(code)
+        if self.policy == "never":
+            return f"{self.name} exited ({how}); stopping (--restart never)"
+        if code == 0 and self.policy == "on-failure":  # someone sent it SIGTERM: respect it
+            self.left_down = True
+            _say(f"{self.name} exited ({how}); not restarted (--restart on-failure)")
+            return None
+        if child.ready.is_set():
+            self.failed_starts = 0
+            if self.port == 0 and child.address:
+                self.port = int(child.address.rsplit(":", 1)[1])
+            if now - child.ready_at >= STABLE_S:
+                self.backoff = BACKOFF_FIRST_S
+        else:
+            self.failed_starts += 1
+            if self.failed_starts >= self.max_restarts:
+                return (
+                    f"{self.name} exited ({how}) before it was ready, {self.failed_starts} "
+                    f"restarts in a row (--max-restarts {self.max_restarts}); stopping"
+                )
+        _say(
+            f"{self.name} (pid {child.proc.pid}) exited ({how}); "
+            f"restart {self.restarts + 1} in {self.backoff:g}s"
+        )
+        self.restart_at = now + self.backoff
+        self.backoff = min(2 * self.backoff, BACKOFF_MAX_S)
+        return None
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -196,12 +307,14 @@ def run_up(args, worker_args: list[str]) -> int:
     hint = transport_hint(plan, worker_args)
     if hint:
         print(f"pdserve up: {hint}", file=sys.stderr)
+    policy, max_restarts = restart_settings(args)
     # workers route Mooncake's own log lines through their logging (--log-level)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")] if p
     )
-    children: list[Child] = []
+    workers: list[Supervised] = []
+    router: Child | None = None
     stopping = threading.Event()
 
     def stop_all(*_):
@@ -209,46 +322,62 @@ def run_up(args, worker_args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop_all)
     signal.signal(signal.SIGINT, stop_all)
+
+    def starter(name: str, device: str):
+        role = name.split("-")[0]
+
+        def start(port: int) -> Child:
+            cmd = [*PDSERVE, role, "--model", args.model, "--device", device]
+            cmd += ["--port", str(port), "--tensor-parallel-size", str(tp[role])]
+            return Child(name, [*cmd, *worker_args], env)
+
+        return start
+
     try:
-        workers = []
         for name, device in plan:
-            role = name.split("-")[0]
-            cmd = [*PDSERVE, role, "--model", args.model, "--device", device, "--port", "0"]
-            cmd += ["--tensor-parallel-size", str(tp[role])]
-            children.append(Child(name, [*cmd, *worker_args], env))
-            workers.append(children[-1])
+            workers.append(Supervised(name, starter(name, device), policy, max_restarts))
         for w in workers:
-            while not w.ready.wait(0.5):
-                if stopping.is_set() or w.proc.poll() is not None:
-                    print(f"pdserve up: {w.name} exited before it was ready", file=sys.stderr)
+            while not w.child.ready.wait(0.5):
+                if stopping.is_set():
+                    return 1
+                code = w.child.proc.poll()
+                if code is not None:  # a first start failing is a configuration error
+                    _say(f"{w.name} exited ({exit_reason(code)}) before it was ready; stopping")
                     return 1
         router_cmd = [*PDSERVE, "router", "--host", args.host, "--port", str(args.port)]
         for w in workers:
-            router_cmd += [f"--{w.name.split('-')[0]}", w.address]
+            router_cmd += [f"--{w.name.split('-')[0]}", w.child.address]
         if args.reasoning_parser:
             router_cmd += ["--reasoning-parser", args.reasoning_parser]
         if getattr(args, "tool_call_parser", None):
             router_cmd += ["--tool-call-parser", args.tool_call_parser]
         if getattr(args, "enable_auto_tool_choice", False):
             router_cmd += ["--enable-auto-tool-choice"]
-        children.append(Child("router", router_cmd, env))
+        router = Child("router", router_cmd, env)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-        while not _ready(url):
-            if stopping.is_set() or children[-1].proc.poll() is not None:
-                print("pdserve up: the router exited before it was ready", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        print(f"pdserve is ready: {url}/v1  (model {args.model}; Ctrl-C stops)", flush=True)
+        announced = False
         while not stopping.is_set():
-            if any(c.proc.poll() is not None for c in children):
-                dead = [c.name for c in children if c.proc.poll() is not None]
-                print(f"pdserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            code = router.proc.poll()
+            if code is not None:  # the front door: its crash is a bug to see, not to hide
+                _say(f"router exited ({exit_reason(code)}); stopping (it is not restarted)")
                 return 1
-            time.sleep(0.5)
-        return 0
+            for w in workers:
+                fatal = w.step(time.monotonic())
+                if fatal:
+                    _say(fatal)
+                    return 1
+            if not announced and _ready(url):
+                announced = True
+                print(f"pdserve is ready: {url}/v1  (model {args.model}; Ctrl-C stops)", flush=True)
+            stopping.wait(0.5)
+        return 0 if announced else 1
     finally:
-        for c in reversed(children):  # router first, so no new requests reach workers
-            c.stop(timeout=30)
+        if router is not None:  # first, so no new requests reach workers
+            router.stop(timeout=30)
+        for w in reversed(workers):
+            w.child.stop(timeout=30)
+        restarted = [f"{w.name} {w.restarts}" for w in workers if w.restarts]
+        print(f"pdserve up: stopped; worker restarts: {', '.join(restarted) or 'none'}", flush=True)
 
 
 def _ready(url: str) -> bool:

@@ -33,7 +33,13 @@ def create_app(config: RouterConfig) -> web.Application:
     middlewares = [request_context, auth]
     if config.enable_log_requests:
         middlewares.append(log_requests)  # after auth: no bodies of refused requests
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=middlewares,
+        # bodies are inflated by router/body.py, bounded, with OpenAI-shaped errors;
+        # aiohttp's parser would answer a bad one in text/plain, outside the app
+        handler_args={"auto_decompress": False},
+    )
     app[STATE] = RouterState.build(config)
     add_routes(app)
     if config.admin_token is not None:  # else the auth middleware answers 404

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from router.bounds import RequestLimits, limit_fields
 from router.config import ADMIN_TOKEN_ENV, RouterConfig
 from router.policies import POLICIES
 from router.reasoning import REASONING_PARSERS
@@ -55,7 +56,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name clients use (default: the model the workers report)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help=f"largest request body; over it: 413 (default {d.max_body_bytes})",
+    )
     p.add_argument(
         "--request-timeout", type=float, default=d.request_timeout, help="seconds per request"
     )
@@ -66,6 +72,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="seconds between worker health probes",
     )
     p.add_argument("--health-timeout", type=float, default=d.health_timeout)
+    p.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=d.health_failure_threshold,
+        help="timed-out probes in a row before a live worker is unhealthy (a refused "
+        "connection counts at once)",
+    )
     p.add_argument(
         "--dns-interval",
         type=float,
@@ -105,6 +118,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help='let requests with tools use tool_choice "auto" (the default with tools); '
         "needs --tool-call-parser",
     )
+    bounds = p.add_argument_group("request limits (over one: a 400 naming the field)")
+    for name, default, text in limit_fields():
+        bounds.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=default,
+            metavar="N",
+            help=f"{text} (default {default})",
+        )
     tls = p.add_argument_group("TLS to the workers (off: plaintext gRPC)")
     tls.add_argument(
         "--worker-tls-ca-file",
@@ -145,9 +167,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name,
         enable_log_requests=args.enable_log_requests,
         max_body_bytes=args.max_body_bytes,
+        limits=RequestLimits(**{name: getattr(args, name) for name, _, _ in limit_fields()}),
         request_timeout=args.request_timeout,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
+        health_failure_threshold=args.health_failure_threshold,
         dns_interval=args.dns_interval,
         max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdpb import tls
+from router.bounds import RequestLimits
 from router.policies import POLICIES
 from router.reasoning import REASONING_PARSERS
 from router.tools import TOOL_PARSERS
@@ -72,9 +73,14 @@ class RouterConfig:
     # prompt or completion text is logged at any level
     enable_log_requests: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # bounds on every list and string of a request body (router/bounds.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     request_timeout: float = 600.0  # seconds, whole request, retries included
     health_interval: float = 2.0  # seconds between health / load probes
-    health_timeout: float = 2.0  # seconds a probe may take before the worker is unhealthy
+    health_timeout: float = 2.0  # seconds a probe may take before it counts as failed
+    # timed-out probes in a row before a live worker is unhealthy (a busy worker answers
+    # late; a refused connection or NOT_SERVING counts at once), as Kubernetes' probes
+    health_failure_threshold: int = 3
     dns_interval: float = 10.0  # seconds between re-resolutions of worker DNS names
     max_concurrent_requests: int = 1024  # over this: 429; 0: no limit
     max_retries: int = 2  # other pairs tried when a worker fails before the first token
@@ -140,6 +146,8 @@ class RouterConfig:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         for name in (
             "request_timeout",
             "health_interval",
@@ -153,6 +161,10 @@ class RouterConfig:
             raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.health_failure_threshold < 1:
+            raise ValueError(
+                f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}"
+            )
         if self.retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
 

@@ -1,11 +1,12 @@
 """Sending one request's choices to workers: pair choice, retries, cancellation.
 
 Each choice (prompt x n) runs as its own task that picks a (decode, prefill) pair,
-calls DecodeService.Generate and puts the responses into a queue the HTTP handler
-reads. A worker that fails before the choice's first token is replaced by another pair
-(up to max_retries times); after the first token the failure ends the choice with an
-error. Leaving the run (finished, failed or the client went away) cancels every task,
-which cancels its gRPC call, so the workers abort the request and free its blocks."""
+sends it over the decode worker's shared GenerateStream (mux.py) and puts the
+responses into a queue the HTTP handler reads. A worker that fails before the choice's
+first token is replaced by another pair (up to max_retries times); after the first
+token the failure ends the choice with an error. Leaving the run (finished, failed or
+the client went away) cancels every task, which cancels its request on the stream, so
+the workers abort it and free its blocks."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdpb.v1 import decode_pb2
 from router import structured
 from router.errors import RETRYABLE, APIError, from_grpc, unavailable
 from router.metrics import RouterMetrics
+from router.mux import WorkerCallError
 from router.pairing import Avoid, choose_pair
 from router.policies import make_policy
 from router.protocol import GenerationRequest
@@ -258,9 +260,7 @@ class GenerationRun:
         prefill.requests += 1
         prefilling = True
         started = False
-        call = decode.stub.Generate(
-            gen, timeout=timeout, metadata=(("x-request-id", gen.request_id),)
-        )
+        call = decode.mux.open(gen, timeout)
         try:
             async for resp in call:
                 if prefilling:
@@ -271,7 +271,7 @@ class GenerationRun:
                 if resp.finish_reason:
                     return None, "", True
             return grpc.StatusCode.UNAVAILABLE, "the worker ended the stream unfinished", started
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, WorkerCallError) as e:
             return e.code(), e.details(), started
         finally:
             call.cancel()

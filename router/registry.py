@@ -29,6 +29,7 @@ from pdpb import tls
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.config import ROLES, RouterConfig, normalize_address
 from router.discovery import is_literal, resolve
+from router.mux import DecodeMux
 
 log = logging.getLogger("pdserve.router.registry")
 
@@ -72,8 +73,10 @@ class Worker:
         self.address = address
         self.channel = channel
         self.health = health_pb2_grpc.HealthStub(channel)
+        self.mux: DecodeMux | None = None  # decode: this router's requests share one stream
         if role == "decode":
             self.stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            self.mux = DecodeMux(self.stub)
         else:
             self.stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         self.healthy = False
@@ -82,6 +85,7 @@ class Worker:
         self.inflight = 0  # this router's requests on the worker now
         self.requests = 0  # this router's requests sent to the worker, ever
         self.peers: dict[str, Pairing] = {}  # decode workers: prefill address -> pairing
+        self.slow_probes = 0  # health probes timed out in a row
 
     @property
     def model(self) -> str | None:
@@ -150,6 +154,8 @@ class WorkerRegistry:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         channels = [w.channel for w in self.workers.values()] + self._closing
+        muxes = [w.mux for w in self.workers.values() if w.mux is not None]
+        await asyncio.gather(*(m.close() for m in muxes), return_exceptions=True)
         self.workers.clear()
         self._closing.clear()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
@@ -262,6 +268,8 @@ class WorkerRegistry:
         deadline = time.monotonic() + self.config.request_timeout
         while worker.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
+        if worker.mux is not None:
+            await worker.mux.close()
         if worker.channel in self._closing:
             self._closing.remove(worker.channel)
             await worker.channel.close()
@@ -292,6 +300,22 @@ class WorkerRegistry:
                     ok = True
         except grpc.aio.AioRpcError as e:
             error = f"{e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy:
+                # alive but busy (its engine holding the GIL, a loaded host): give it
+                # a few probes before taking it out of the pool
+                worker.slow_probes += 1
+                if worker.slow_probes < self.config.health_failure_threshold:
+                    log.info(
+                        "%s worker %s answered no probe within %gs (%d of %d in a row)",
+                        worker.role,
+                        worker.address,
+                        timeout,
+                        worker.slow_probes,
+                        self.config.health_failure_threshold,
+                    )
+                    return
+        if ok:
+            worker.slow_probes = 0
         self._set_health(worker, ok, error)
 
     def _set_health(self, worker: Worker, ok: bool, error: str) -> None:

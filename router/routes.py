@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import time
 
 import grpc
@@ -13,8 +12,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdpb.v1 import decode_pb2
-from router import sse
-from router.errors import RETRYABLE, APIError, bad_request, from_grpc, overloaded, unavailable
+from router import openapi, sse
+from router.body import expect_handler, read_json
+from router.errors import RETRYABLE, APIError, from_grpc, overloaded, unavailable
 from router.protocol import (
     GenerationRequest,
     parse_chat_request,
@@ -26,22 +26,6 @@ from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG
 from router.responses import ResponseBuilder
 from router.state import STATE, RouterState
 from router.tools import check_tool_choice
-
-
-async def read_json(request: web.Request, limit: int):
-    """The parsed body; 413 over `limit` bytes, 400 when it is not JSON."""
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(
-            413, f"the request body exceeds {limit} bytes", code="request_too_large"
-        ) from None
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
 def resolve_model(state: RouterState, requested: str | None) -> tuple[str, str | None]:
@@ -101,7 +85,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse) -> web.StreamResponse:
     state = request.app[STATE]
     log = request[REQUEST_LOG]
-    req = parse(await read_json(request, state.config.max_body_bytes))
+    req = parse(await read_json(request, state.config.max_body_bytes), state.config.limits)
     check_tool_choice(req.tool_choice, state.tool_parser)
     keep = getattr(state.tool_parser, "keeps_special_tokens", False)
     if keep and req.tool_choice == "auto" and "skip_special_tokens" not in req.sampling:
@@ -252,7 +236,8 @@ async def _tokenizer_call(state: RouterState, model: str | None, method: str, pb
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a prompt or chat messages -> token ids."""
     state = request.app[STATE]
-    req = parse_tokenize_request(await read_json(request, state.config.max_body_bytes))
+    body = await read_json(request, state.config.max_body_bytes)
+    req = parse_tokenize_request(body, state.config.limits)
     pb = decode_pb2.TokenizeRequest(
         add_special_tokens=req.add_special_tokens, return_token_strs=req.return_token_strs
     )
@@ -274,7 +259,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's /detokenize: token ids -> text."""
     state = request.app[STATE]
-    model, ids = parse_detokenize_request(await read_json(request, state.config.max_body_bytes))
+    body = await read_json(request, state.config.max_body_bytes)
+    model, ids = parse_detokenize_request(body, state.config.limits)
     pb = decode_pb2.DetokenizeRequest(token_ids=ids)
     resp = await _tokenizer_call(state, model, "Detokenize", pb)
     return web.json_response({"prompt": resp.text})
@@ -296,19 +282,27 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if pairs else 503)
 
 
+async def openapi_json(request: web.Request) -> web.Response:
+    """The OpenAPI document: these routes, with the bodies and limits they accept."""
+    return web.json_response(openapi.document(request.app, request.app[STATE].config.limits))
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/version", version)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    # expect: Expect headers other than 100-continue are ignored, not a text/plain 417
+    add = {"expect_handler": expect_handler}
+    app.router.add_post("/v1/chat/completions", chat_completions, **add)
+    app.router.add_post("/v1/completions", completions, **add)
+    app.router.add_get("/v1/models", models, **add)
+    app.router.add_get("/v1/models/{model}", model, **add)
+    app.router.add_post("/tokenize", tokenize, **add)
+    app.router.add_post("/detokenize", detokenize, **add)
+    app.router.add_get("/version", version, **add)
+    app.router.add_get("/health", health, **add)
+    app.router.add_get("/ready", ready, **add)
+    app.router.add_get("/metrics", metrics, **add)
+    app.router.add_get("/openapi.json", openapi_json, **add)

@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so every call into it (add, abort, reserve, admit)
 runs on the engine thread between steps. Outputs go back to the event loop through
-one asyncio.Queue per request."""
+one asyncio.Queue (or sink) per request."""
 
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ class EngineLoop:
         self._commands.put((fn, future))
         return await asyncio.shield(asyncio.wrap_future(future))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
+    def open_stream(self, request_id: str, sink=None) -> asyncio.Queue:
+        """Where request_id's outputs and errors go, on the calling event loop: a new
+        queue, or `sink`, anything with put_nowait (the multiplexed stream turns each
+        output into its response right there, without waking a task per request)."""
+        q = asyncio.Queue() if sink is None else sink
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
 

@@ -75,7 +75,13 @@ class WorkerInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return handler  # no client-streaming methods in pdpb
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._bidi(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # no client-streaming-only methods in pdpb
 
     def _unary(self, behavior, method: str):
         async def wrapped(request, context):
@@ -95,6 +101,17 @@ class WorkerInterceptor(grpc.aio.ServerInterceptor):
                     yield response
             except Exception as e:
                 await self._abort(e, request, context, method)
+
+        return wrapped
+
+    def _bidi(self, behavior, method: str):
+        async def wrapped(request_iterator, context):
+            await self._require_ready(context)
+            try:
+                async for response in behavior(request_iterator, context):
+                    yield response
+            except Exception as e:
+                await self._abort(e, None, context, method)
 
         return wrapped
 

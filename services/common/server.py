@@ -128,7 +128,13 @@ async def serve(
     ctx = WorkerContext(role, engine_config, settings)
     ctx._event_loop = asyncio.get_running_loop()
     server = grpc.aio.server(
-        interceptors=[WorkerInterceptor(ctx.ready.is_set)], options=[("grpc.so_reuseport", 0)]
+        interceptors=[WorkerInterceptor(ctx.ready.is_set)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            # the router's channel accepts 64 MiB; a request it passes must not meet a
+            # smaller limit here (4 MiB by default), which would read as a worker fault
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,8 +17,10 @@ from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import convert
 from services.common.errors import EngineFailedError, RequestExistsError
 from services.common.server import WorkerContext, load_report
+from services.decode.mux import MuxSession, Outbox, OutboxSink
 from services.decode.remote_prefill import PrefillPeers, PrefillTimings, RemotePrefill
-from services.engine import RequestOutput, apply_chat_template
+from services.decode.responses import ResponseBuilder
+from services.engine import apply_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -96,65 +98,84 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def Generate(self, request, context):
-        engine, loop = self.ctx.engine, self.ctx.loop
-        rid = request.request_id
-        if not rid:
-            raise ValueError("request_id is required")
-        params = convert.sampling_params_from_pb(request.sampling_params)
-        prompt_ids = engine.truncate(self._prompt_ids(request), params)
-        engine.validate(prompt_ids, params, fit_max_tokens=True)
+        """One request, its responses on their own stream."""
+        rid, params, prompt_ids = await self._checked(request)
         key = self.active.claim(rid)
-        stream = loop.open_stream(key)
+        stream = self.ctx.loop.open_stream(key)
+        builder = ResponseBuilder(self.ctx.engine, rid, request, prompt_ids, params)
         try:
-            if request.prefill_address:
-                timings = await self.remote_prefill.run(
-                    key,
-                    prompt_ids,
-                    params,
-                    request.sampling_params,
-                    request.prefill_address,
-                    trace_id=rid,
-                )
-            else:
-                timings = PrefillTimings()
-                await loop.call(lambda: engine.add_request(key, prompt_ids, params))
-            async for resp in self._responses(stream, rid, request, prompt_ids, params, timings):
+            builder.timings = await self._prefill(key, request, prompt_ids, params)
+            while True:
+                out = await stream.get()
+                resp = decode_pb2.GenerateResponse()
+                if isinstance(out, asyncio.CancelledError):  # Abort()
+                    builder.fill_aborted(resp)
+                    yield resp
+                    return
+                if isinstance(out, BaseException):
+                    raise EngineFailedError(f"engine failed: {out}") from out
+                builder.fill(out, resp)
+                if out.finished:
+                    self.ctx.metrics.requests.labels("ok").inc()
+                    yield resp
+                    return
                 yield resp
         finally:
-            loop.close_stream(key)
-            self.active.release(rid, key)
-            # cancelled, failed or finished: make sure nothing stays allocated
-            await loop.call_always(lambda: engine.abort_request(key))
+            await self._end(rid, key)
 
-    async def _responses(self, stream, rid, request, prompt_ids, params, timings):
-        sent_tokens = sent_chars = 0
-        while True:
-            out = await stream.get()
-            if isinstance(out, asyncio.CancelledError):  # Abort()
-                yield self._final_abort(rid, prompt_ids, sent_tokens)
-                return
-            if isinstance(out, BaseException):
-                raise EngineFailedError(f"engine failed: {out}") from out
-            resp = self._response(rid, out, sent_tokens, sent_chars, params)
-            if sent_tokens == 0 and request.return_prompt:
-                self._add_prompt(resp, request, prompt_ids)
-            if sent_tokens == 0 and out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(resp, prompt_ids, out, params)
-            sent_tokens = len(out.output.token_ids)
-            sent_chars += len(resp.text)
-            if out.finished:
-                resp.usage.CopyFrom(
-                    common_pb2.Usage(
-                        prompt_tokens=len(prompt_ids),
-                        completion_tokens=sent_tokens,
-                        cached_tokens=out.num_cached_tokens,
-                    )
-                )
-                resp.timings.CopyFrom(convert.timings_to_pb(timings))
+    async def GenerateStream(self, request_iterator, context):
+        """Many requests over one stream, a message per engine step (mux.py)."""
+        async for message in MuxSession(self._generate_into).serve(request_iterator):
+            yield message
+
+    async def _generate_into(self, request, outbox: Outbox) -> None:
+        """Generate's lifecycle with the responses written into a shared outbox."""
+        rid, params, prompt_ids = await self._checked(request)
+        key = self.active.claim(rid)
+        builder = ResponseBuilder(self.ctx.engine, rid, request, prompt_ids, params)
+        sink = OutboxSink(builder, outbox)
+        self.ctx.loop.open_stream(key, sink)
+        try:
+            builder.timings = await self._prefill(key, request, prompt_ids, params)
+            sink.start()
+            if await sink.done:
                 self.ctx.metrics.requests.labels("ok").inc()
-                yield resp
-                return
-            yield resp
+        finally:
+            await self._end(rid, key)
+
+    async def _checked(self, request) -> tuple[str, object, list[int]]:
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        engine = self.ctx.engine
+        params = convert.sampling_params_from_pb(request.sampling_params)
+        prompt_ids = engine.truncate(self._prompt_ids(request), params)
+        if params.structured_output is None:
+            engine.validate(prompt_ids, params, fit_max_tokens=True)
+        else:  # compiling its grammar can take seconds: not on the loop every stream uses
+            await asyncio.to_thread(engine.validate, prompt_ids, params, fit_max_tokens=True)
+        return request.request_id, params, prompt_ids
+
+    async def _prefill(self, key, request, prompt_ids, params) -> PrefillTimings:
+        """The prompt's KV into this worker: from the named prefill worker, or here."""
+        if request.prefill_address:
+            return await self.remote_prefill.run(
+                key,
+                prompt_ids,
+                params,
+                request.sampling_params,
+                request.prefill_address,
+                trace_id=request.request_id,
+            )
+        engine = self.ctx.engine
+        await self.ctx.loop.call(lambda: engine.add_request(key, prompt_ids, params))
+        return PrefillTimings()
+
+    async def _end(self, rid: str, key: str) -> None:
+        # cancelled, failed or finished: make sure nothing stays allocated
+        loop = self.ctx.loop
+        loop.close_stream(key)
+        self.active.release(rid, key)
+        await loop.call_always(lambda: self.ctx.engine.abort_request(key))
 
     def _prompt_ids(self, request) -> list[int]:
         engine = self.ctx.engine
@@ -191,44 +212,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise ValueError("this model has no tokenizer")
         ids = engine.tokenize(list(request.token_ids))  # range-checks the ids
         return decode_pb2.DetokenizeResponse(text=engine.tokenizer.decode(ids))
-
-    def _add_prompt(self, resp, request, prompt_ids) -> None:
-        resp.prompt_token_ids.extend(prompt_ids)
-        if request.HasField("text"):
-            resp.prompt_text = request.text
-        elif self.ctx.engine.tokenizer is not None:
-            resp.prompt_text = self.ctx.engine.tokenizer.decode(prompt_ids)
-
-    def _add_prompt_logprobs(self, resp, prompt_ids, out: RequestOutput, params) -> None:
-        # the first prompt token has no logprob (rank 0); its text is still needed (echo)
-        first = self.ctx.engine.decode_token(prompt_ids[0]) or ""
-        resp.prompt_logprobs.append(
-            common_pb2.TokenLogprob(token_id=prompt_ids[0], rank=0, token=first)
-        )
-        resp.prompt_logprobs.extend(
-            convert.prompt_logprobs_to_pb(prompt_ids, out.prompt_logprobs, params.prompt_logprobs)
-        )
-
-    def _response(self, rid, out: RequestOutput, sent_tokens: int, sent_chars: int, params):
-        completion = out.output
-        new_ids = completion.token_ids[sent_tokens:]
-        resp = decode_pb2.GenerateResponse(
-            request_id=rid, token_ids=new_ids, text=completion.text[sent_chars:]
-        )
-        if params.logprobs is not None and completion.logprobs:
-            for tid, entry in zip(new_ids, completion.logprobs[sent_tokens:]):
-                resp.logprobs.append(convert.logprob_to_pb(tid, entry, params.logprobs))
-        if out.finished:
-            resp.finish_reason = convert.finish_reason_to_pb(completion.finish_reason)
-            if isinstance(completion.stop_reason, int):
-                resp.stop_token_id = completion.stop_reason
-            elif isinstance(completion.stop_reason, str):
-                resp.stop_string = completion.stop_reason
-        return resp
-
-    def _final_abort(self, rid, prompt_ids, sent_tokens):
-        return decode_pb2.GenerateResponse(
-            request_id=rid,
-            finish_reason=common_pb2.FINISH_REASON_ABORT,
-            usage=common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=sent_tokens),
-        )

@@ -94,7 +94,7 @@ class EngineConfig:
                 f"async_scheduling must be True, False or None, got {self.async_scheduling!r}"
             )
         if self.cuda_graph_max_batch < 1:
-            raise ValueError("cuda_graph_max_batch must be positive")
+            raise ValueError("cuda_graph_max_batch (--max-cudagraph-capture-size) must be positive")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(
             self.tensor_parallel_size, int
         ):

@@ -63,14 +63,17 @@ class Grammars:
         key = (so.kind, so.spec)
         with self._lock:
             compiled = self._cache.get(key)
-            if compiled is None:
-                compiled = self._compile(so)
-                self._cache[key] = compiled
-                if len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            else:
+            if compiled is not None:
                 self._cache.move_to_end(key)
-            return compiled
+                return compiled
+        # compiled outside the lock: a large schema takes seconds, and the engine thread
+        # must not wait for it to fetch another (cached) grammar meanwhile
+        compiled = self._compile(so)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
 
     def state(self, so: StructuredOutput) -> GrammarState:
         import xgrammar as xgr
@@ -95,8 +98,18 @@ class Grammars:
             ) from None
 
     def _get_compiler(self):
+        with self._lock:  # built once (about 2 s: the tokenizer's tables)
+            return self._build_compiler()
+
+    def _build_compiler(self):
         if self._compiler is None:
-            import xgrammar as xgr
+            try:
+                import xgrammar as xgr
+            except ImportError as e:  # a 400 naming what is missing, not a 500
+                raise ValueError(
+                    "structured outputs need the xgrammar package, which this worker "
+                    "lacks (pip install 'pdserve[worker]')"
+                ) from e
 
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids

@@ -296,6 +296,14 @@ def _prepare_structured_output(engine) -> None:
     2 s on first use), not in the first structured request's validation."""
     if engine.tokenizer is None:
         return
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        log.warning(
+            "structured outputs are unavailable: xgrammar is not installed "
+            "(pip install 'pdserve[worker]'); such requests are refused"
+        )
+        return
     from services.engine.sampling_params import StructuredOutput
 
     engine.grammars.compile(StructuredOutput("json_object", ""))

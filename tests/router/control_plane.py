@@ -5,6 +5,8 @@ pairing answers and a worker disappearing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -18,6 +20,10 @@ class _Load:
         self.cp = cp
 
     async def GetLoad(self, request, context):
+        if self.cp.slow_loads > 0:  # a busy worker: answers after the probe's deadline
+            self.cp.slow_loads -= 1
+            await asyncio.sleep(self.cp.slow_load_s)
+        self.cp.load_calls += 1
         return common_pb2.LoadReport(
             role=_ROLES[self.cp.reported_role],
             model=self.cp.model,
@@ -49,6 +55,9 @@ class ControlPlane:
         self.max_model_len = max_model_len
         self.incompatible: set[str] = set()
         self.peer_calls: list[str] = []
+        self.slow_loads = 0  # the next this many GetLoad calls answer after slow_load_s
+        self.slow_load_s = 0.0
+        self.load_calls = 0  # answered in time or not
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None

@@ -19,6 +19,13 @@ def comp(**kw):
     return {"model": "m", "prompt": "hi", **kw}
 
 
+def nest(depth: int):
+    v: object = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
 CHAT_ERRORS = [
     ({"model": "m"}, "messages"),
     (chat(messages=[]), "messages"),
@@ -97,6 +104,46 @@ CHAT_ERRORS = [
     ),
     (chat(response_format={"type": "xml"}), "response_format"),
     (chat(temperature=float("nan")), "temperature"),
+    # issue 18: values that used to be a 500 (OverflowError, TypeError)
+    (chat(temperature=10**400), "temperature"),
+    (chat(top_p=-(10**400)), "top_p"),
+    (
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": ["f"]}},
+        ),
+        "tool_choice",
+    ),
+    # token ids as decimal digits only (int() also takes " 5", "+5", "1_0")
+    (chat(logit_bias={" 5": 1}), "logit_bias"),
+    (chat(logit_bias={"+5": 1}), "logit_bias"),
+    (chat(logit_bias={"1_0": 1}), "logit_bias"),
+    (chat(logit_bias={"9" * 5000: 1}), "logit_bias"),
+    # OpenAI's deprecated function calling: refused, pointing at tools / tool_choice
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(function_call="auto"), "function_call"),
+    (chat(function_call={"name": "f"}), "function_call"),
+    (
+        chat(
+            messages=[*MSG, {"role": "assistant", "content": None, "function_call": {"name": "f"}}]
+        ),
+        "messages[1].function_call",
+    ),
+    # the default limits (router/bounds.py)
+    (chat(stop=["s"] * 65), "stop"),
+    (chat(stop=["s" * 1025]), "stop[0]"),
+    (chat(stop_token_ids=[1] * 65), "stop_token_ids"),
+    (chat(messages=MSG * 4097), "messages"),
+    (chat(messages=[{"role": "user", "content": "c" * 1_048_577}]), "messages[0].content"),
+    (chat(bad_words=["b"] * 257), "bad_words"),
+    (chat(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+    (
+        chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+        "tools",
+    ),
+    (chat(user="u" * 1025), "user"),
+    (chat(chat_template_kwargs={"a": nest(70)}), "chat_template_kwargs"),
+    (chat(guided_regex="r" * (256 * 1024 + 1)), "guided_regex"),
 ]
 
 COMPLETION_ERRORS = [
@@ -126,6 +173,10 @@ COMPLETION_ERRORS = [
     (comp(prompt="hi \ud800"), "prompt"),
     (comp(prompt=["ok", "hi \ud800"]), "prompt[1]"),
     (comp(stop=["\udfff"]), "stop[0]"),
+    (comp(prompt=["p"] * 257), "prompt"),
+    (comp(prompt=[[1]] * 257), "prompt"),
+    (comp(prompt="p" * (2 * 1024 * 1024 + 1)), "prompt"),
+    (comp(prompt=["p"] * 9, n=128), "n"),  # 1152 choices > 1024
 ]
 
 
@@ -376,3 +427,27 @@ def test_router_and_worker_reserve_the_same_template_kwargs():
     from services.models.tokenizer import RESERVED_TEMPLATE_KWARGS as worker_side
 
     assert router_side == worker_side
+
+
+def test_limits_are_per_request_settings():
+    from router.bounds import RequestLimits
+
+    tight = RequestLimits(max_stop_sequences=1, max_messages=1)
+    assert parse_chat_request(chat(stop=["a", "b"])).sampling["stop"] == ["a", "b"]
+    for body, param in ((chat(stop=["a", "b"]), "stop"), (chat(messages=MSG * 2), "messages")):
+        with pytest.raises(APIError) as e:
+            parse_chat_request(body, tight)
+        assert e.value.param == param and e.value.code == "array_above_max_length"
+        assert "maximum length 1" in e.value.message
+
+
+def test_null_skip_special_tokens_is_the_worker_default():
+    assert "skip_special_tokens" not in parse_chat_request(chat(skip_special_tokens=None)).sampling
+    assert (
+        parse_chat_request(chat(skip_special_tokens=False)).sampling["skip_special_tokens"] is False
+    )
+
+
+def test_no_op_legacy_function_fields_are_accepted():
+    for extra in ({"functions": []}, {"functions": None}, {"function_call": "none"}):
+        assert parse_chat_request(chat(**extra)).prompts

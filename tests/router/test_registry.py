@@ -16,7 +16,8 @@ from tests.router.helpers import RouterThread, http
 
 
 def config(**kw) -> RouterConfig:
-    return RouterConfig(host="127.0.0.1", port=0, health_interval=0.1, health_timeout=1.0, **kw)
+    kw = {"health_interval": 0.1, "health_timeout": 1.0, **kw}
+    return RouterConfig(host="127.0.0.1", port=0, **kw)
 
 
 async def until(cond, timeout: float = 10.0) -> None:
@@ -54,6 +55,34 @@ def test_health_transitions():
             await d.stop()
 
     asyncio.run(main())
+
+
+def test_a_busy_worker_gets_a_few_late_probes_before_it_is_out(caplog):
+    """A probe that times out on a live worker counts toward health_failure_threshold
+    (3) in a row; a refused connection counts at once (test_health_transitions)."""
+
+    async def main():
+        d = await ControlPlane("decode").start()
+        cfg = config(decode=(d.address,), health_timeout=0.2, health_failure_threshold=3)
+        reg = WorkerRegistry(cfg)
+        await reg.start()
+        try:
+            [dw] = reg.of_role("decode")
+            await until(lambda: dw.healthy)
+            d.slow_load_s = 0.5
+            d.slow_loads = 2  # two late answers: still in the pool
+            await until(lambda: d.slow_loads == 0 and dw.slow_probes == 0 and d.load_calls > 3)
+            assert dw.healthy and "is unhealthy" not in caplog.text
+            d.slow_loads = 4  # a third late answer in a row: out, then back once it answers
+            await until(lambda: not dw.healthy)
+            assert "DEADLINE_EXCEEDED" in dw.error
+            await until(lambda: dw.healthy)
+        finally:
+            await reg.close()
+            await d.stop()
+
+    with caplog.at_level(logging.INFO, logger="pdserve.router.registry"):
+        asyncio.run(main())
 
 
 def test_incompatible_pairs_are_not_used(caplog):

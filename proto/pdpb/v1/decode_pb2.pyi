@@ -53,6 +53,34 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("start", "cancel", "timeout_seconds")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    start: GenerateRequest
+    cancel: str
+    timeout_seconds: float
+    def __init__(self, start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateStreamError(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("responses", "errors")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[GenerateStreamError]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[GenerateStreamError, _Mapping]]] = ...) -> None: ...
+
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "prefill_seconds", "kv_transfer_seconds", "prefill_fallback")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]

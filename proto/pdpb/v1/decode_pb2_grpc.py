@@ -43,6 +43,11 @@ class DecodeServiceStub:
                 request_serializer=pdpb_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdpb_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pdpb.v1.DecodeService/GenerateStream',
+                request_serializer=pdpb_dot_v1_dot_decode__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=pdpb_dot_v1_dot_decode__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdpb.v1.DecodeService/Abort',
                 request_serializer=pdpb_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -78,6 +83,16 @@ class DecodeServiceServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one stream: the router opens one per worker and sends each
+        request's start and cancel on it; the worker answers with one message per engine
+        step carrying every request's new tokens. At hundreds of streams a message per
+        request per token costs more host time than the model step (issue 20).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -123,6 +138,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdpb_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=pdpb_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pdpb_dot_v1_dot_decode__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=pdpb_dot_v1_dot_decode__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -180,6 +200,33 @@ class DecodeService:
             '/pdpb.v1.DecodeService/Generate',
             pdpb_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
             pdpb_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdpb.v1.DecodeService/GenerateStream',
+            pdpb_dot_v1_dot_decode__pb2.GenerateStreamRequest.SerializeToString,
+            pdpb_dot_v1_dot_decode__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

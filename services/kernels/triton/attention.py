@@ -51,7 +51,11 @@ from services.kernels.triton._launch import (
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Ints that vary from batch to batch are not specialized: Triton would compile another
+# variant whenever one turns 1 or a multiple of 16 (a batch's sequence count, its block
+# table width), i.e. on the serving path after the warm-up (measured on the H200: the
+# only compilations after ready). Neither feeds a vectorized address.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -218,7 +222,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,

@@ -1,0 +1,160 @@
+"""The router's side of GenerateStream: every request this router sends one decode
+worker shares one gRPC stream, which the worker answers with one message per engine
+step (services/decode/mux.py). A request reads its responses from its own queue and
+fails like a unary Generate would (WorkerCallError carries the same status code), so
+dispatch.py treats both alike.
+
+The stream opens on the first request and again after it breaks: a broken stream (the
+worker died or restarted, the channel closed) ends every request on it with its status,
+and the next request opens a new one. Leaving a request early sends its cancel, and the
+worker aborts it and frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from pdpb.v1 import decode_pb2
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_CLOSE = object()  # ends the request iterator: the router half-closes the stream
+
+
+class WorkerCallError(Exception):
+    """A request ended with a status: the worker's, the stream's, or its deadline."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Outgoing:
+    """The stream's requests, as gRPC reads them. An iterator object, not an async
+    generator: one left suspended when the call ends is dropped without a finalizer
+    running on a loop that may be closed by then."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self._queue = queue
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self._queue.get()
+        if message is _CLOSE:
+            raise StopAsyncIteration
+        return message
+
+
+class _Session:
+    """One GenerateStream call and the requests on it."""
+
+    def __init__(self, stub, metadata):
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.requests: dict[str, asyncio.Queue] = {}
+        self.call = stub.GenerateStream(_Outgoing(self.outgoing), metadata=metadata)
+        self.closed: WorkerCallError | None = None
+        self.reader = asyncio.create_task(self._read(), name="generate-stream")
+
+    async def _read(self) -> None:
+        error = WorkerCallError(grpc.StatusCode.CANCELLED, "the router closed the stream")
+        try:
+            async for message in self.call:
+                for resp in message.responses:
+                    q = self.requests.get(resp.request_id)
+                    if q is not None:
+                        q.put_nowait(resp)
+                for err in message.errors:
+                    q = self.requests.get(err.request_id)
+                    if q is not None:
+                        code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+                        q.put_nowait(WorkerCallError(code, err.message))
+            error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
+        except grpc.aio.AioRpcError as e:
+            error = WorkerCallError(e.code(), e.details() or "")
+        finally:
+            self.close(error)
+
+    def close(self, error: WorkerCallError | None) -> None:
+        """No new requests here; the ones on it end with `error`."""
+        self.closed = error or WorkerCallError(grpc.StatusCode.UNAVAILABLE, "stream closed")
+        self.outgoing.put_nowait(_CLOSE)  # ends gRPC's task reading our requests
+        for q in self.requests.values():
+            q.put_nowait(self.closed)
+        self.requests.clear()
+
+
+class DecodeMux:
+    """One worker's shared stream, opened on demand."""
+
+    def __init__(self, stub):
+        self._stub = stub
+        self._session: _Session | None = None
+
+    def open(self, gen: decode_pb2.GenerateRequest, timeout: float) -> MuxedRequest:
+        session = self._session
+        if session is None or session.closed is not None:
+            session = self._session = _Session(self._stub, (("x-pdserve-mux", "1"),))
+        return MuxedRequest(session, gen, timeout)
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.outgoing.put_nowait(_CLOSE)
+            session.call.cancel()
+            await asyncio.gather(session.reader, return_exceptions=True)
+
+
+class MuxedRequest:
+    """`async for resp in request` until its last response; raises WorkerCallError.
+    `cancel()` (always call it, like a unary call's) tells the worker to drop it."""
+
+    def __init__(self, session: _Session, gen, timeout: float):
+        self._session = session
+        self._rid = gen.request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._deadline = time.monotonic() + timeout
+        self._finished = False
+        session.requests[self._rid] = self._queue
+        session.outgoing.put_nowait(
+            decode_pb2.GenerateStreamRequest(start=gen, timeout_seconds=timeout)
+        )
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> decode_pb2.GenerateResponse:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            async with asyncio.timeout_at(self._loop_deadline()):
+                item = await self._queue.get()
+        except TimeoutError:
+            self._finished = True
+            raise WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        if isinstance(item, WorkerCallError):
+            self._finished = True
+            raise item
+        if item.finish_reason:
+            self._finished = True
+        return item
+
+    def cancel(self) -> None:
+        session = self._session
+        if session.requests.pop(self._rid, None) is not None and not self._finished:
+            if session.closed is None:
+                session.outgoing.put_nowait(decode_pb2.GenerateStreamRequest(cancel=self._rid))
+        self._finished = True
+
+    def _loop_deadline(self) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + max(0.0, self._deadline - time.monotonic())

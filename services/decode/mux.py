@@ -1,0 +1,179 @@
+"""GenerateStream: many requests over one gRPC stream, answered once per engine step.
+
+The router opens one such stream per decode worker and sends each request's start and
+cancel on it. Outputs do not wake a task per request: the engine loop hands each step's
+outputs to this stream's sinks, which write every request's news into the one message
+going out next (the Outbox), so the host cost per token is building its protobuf and no
+more. A request that fails ends with a GenerateStreamError carrying the status a unary
+Generate would have ended with; the stream itself ends when the router half-closes and
+its last request is done, and cancelling it (router gone) aborts every request on it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdpb.v1 import decode_pb2
+from services.common.errors import EngineFailedError
+from services.common.interceptor import status_of
+
+log = logging.getLogger(__name__)
+
+_MAX_RESPONSES_PER_MESSAGE = 4096  # a step's responses are small; bounds one message
+
+
+class Outbox:
+    """The messages not yet written: responses appended in the order they happen."""
+
+    def __init__(self):
+        self._messages: list[decode_pb2.GenerateStreamResponse] = []
+        self._sealed = True  # the last message takes no more (start a new one)
+        self.ready = asyncio.Event()
+
+    def response(self) -> decode_pb2.GenerateResponse:
+        """A new, empty response in the next message, for the caller to fill."""
+        self.ready.set()
+        return self._open().responses.add()
+
+    def error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.ready.set()
+        self._open().errors.add(request_id=request_id, code=code.value[0], message=message)
+
+    def seal(self) -> None:
+        """Start a new message for what comes next (after a large first response)."""
+        self._sealed = True
+
+    def take(self) -> list[decode_pb2.GenerateStreamResponse]:
+        self.ready.clear()
+        messages, self._messages, self._sealed = self._messages, [], True
+        return messages
+
+    def _open(self) -> decode_pb2.GenerateStreamResponse:
+        if self._sealed or len(self._messages[-1].responses) >= _MAX_RESPONSES_PER_MESSAGE:
+            self._messages.append(decode_pb2.GenerateStreamResponse())
+            self._sealed = False
+        return self._messages[-1]
+
+
+class OutboxSink:
+    """One request's outputs (and errors) as responses in the outbox, on the event loop.
+    Holds outputs back until the prompt's KV is in place (the builder's timings are set
+    then); `done` resolves when the request has sent its last response."""
+
+    def __init__(self, builder, outbox: Outbox):
+        self.builder = builder
+        self.outbox = outbox
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending: list | None = []
+
+    def put_nowait(self, item) -> None:
+        if self._pending is not None:
+            self._pending.append(item)
+        else:
+            self._take(item)
+
+    def start(self) -> None:
+        pending, self._pending = self._pending or [], None
+        for item in pending:
+            self._take(item)
+
+    def _take(self, item) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, asyncio.CancelledError):  # Abort()
+            self.builder.fill_aborted(self.outbox.response())
+            self.done.set_result(False)
+        elif isinstance(item, BaseException):
+            error = EngineFailedError(f"engine failed: {item}")
+            error.__cause__ = item
+            self.done.set_exception(error)
+        else:
+            first = self.builder.sent_tokens == 0
+            self.builder.fill(item, self.outbox.response())
+            if first and (item.prompt_logprobs is not None or self.builder.request.return_prompt):
+                self.outbox.seal()  # a first response can be large: let it go alone
+            if item.finished:
+                self.done.set_result(True)
+
+
+class MuxSession:
+    """One GenerateStream call. `generate(start, outbox)` is the servicer's request
+    lifecycle, writing into the outbox through an OutboxSink."""
+
+    def __init__(self, generate):
+        self._generate = generate
+        self.outbox = Outbox()
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def serve(self, request_iterator):
+        reader = asyncio.create_task(self._read(request_iterator))
+        reader.add_done_callback(lambda _: self.outbox.ready.set())
+        try:
+            while True:
+                await self.outbox.ready.wait()
+                for message in self.outbox.take():
+                    yield message
+                if reader.done() and (reader.exception() is not None or not self.tasks):
+                    reader.result()  # a malformed request ends the call with its error
+                    return
+        finally:
+            reader.cancel()
+            tasks = [reader, *self.tasks.values()]
+            for task in tasks:
+                task.cancel()
+            # each request's own `finally` frees its blocks before the call ends
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, request_iterator) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "start":
+                self._start(message.start, message.timeout_seconds)
+            elif kind == "cancel":
+                task = self.tasks.get(message.cancel)
+                if task is not None:
+                    task.cancel()
+            else:
+                raise ValueError("a GenerateStreamRequest needs start or cancel")
+
+    def _start(self, start, timeout_s: float) -> None:
+        rid = start.request_id
+        if rid in self.tasks:
+            self.outbox.error(
+                rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in flight on this stream"
+            )
+            return
+        task = asyncio.create_task(self._request(start, timeout_s), name=f"mux/{rid}")
+        self.tasks[rid] = task
+
+        def finished(_, rid=rid, task=task):
+            if self.tasks.get(rid) is task:
+                del self.tasks[rid]
+            self.outbox.ready.set()
+
+        task.add_done_callback(finished)
+
+    async def _request(self, start, timeout_s: float) -> None:
+        rid = start.request_id
+        deadline = asyncio.timeout(timeout_s if timeout_s > 0 else None)
+        try:
+            async with deadline:
+                await self._generate(start, self.outbox)
+        except TimeoutError as e:
+            if deadline.expired():
+                self.outbox.error(rid, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            else:
+                self._fail(rid, e)
+        except Exception as e:
+            self._fail(rid, e)
+
+    def _fail(self, rid: str, error: Exception) -> None:
+        code = status_of(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("GenerateStream failed for request %r", rid, exc_info=error)
+            message = f"internal error ({type(error).__name__}): {error}"
+        else:
+            message = str(error)
+        self.outbox.error(rid, code, message)

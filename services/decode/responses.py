@@ -1,0 +1,85 @@
+"""One request's engine outputs as GenerateResponses: each response carries the tokens,
+text and logprobs that are new since the previous one, the first one the prompt's ids
+and logprobs when asked, the last one the finish reason, usage and timings. Shared by
+the per-request Generate stream and the multiplexed GenerateStream."""
+
+from __future__ import annotations
+
+from pdpb.v1 import common_pb2, decode_pb2
+from services.common import convert
+from services.decode.remote_prefill import PrefillTimings
+from services.engine import RequestOutput
+
+
+class ResponseBuilder:
+    def __init__(self, engine, rid: str, request, prompt_ids: list[int], params):
+        self.engine = engine
+        self.rid = rid
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.timings = PrefillTimings()  # set once the prompt's KV is in place
+        self.sent_tokens = 0
+        self.sent_chars = 0
+
+    def fill(self, out: RequestOutput, resp: decode_pb2.GenerateResponse) -> None:
+        """Write out's news into resp (a fresh message, possibly a repeated field's)."""
+        completion = out.output
+        first = self.sent_tokens == 0
+        new_ids = completion.token_ids[self.sent_tokens :]
+        resp.request_id = self.rid
+        resp.token_ids.extend(new_ids)
+        text = completion.text[self.sent_chars :]
+        resp.text = text
+        params = self.params
+        if params.logprobs is not None and completion.logprobs:
+            for tid, entry in zip(new_ids, completion.logprobs[self.sent_tokens :]):
+                resp.logprobs.append(convert.logprob_to_pb(tid, entry, params.logprobs))
+        if first and self.request.return_prompt:
+            self._add_prompt(resp)
+        if first and out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(resp, out)
+        self.sent_tokens = len(completion.token_ids)
+        self.sent_chars += len(text)
+        if out.finished:
+            resp.finish_reason = convert.finish_reason_to_pb(completion.finish_reason)
+            if isinstance(completion.stop_reason, int):
+                resp.stop_token_id = completion.stop_reason
+            elif isinstance(completion.stop_reason, str):
+                resp.stop_string = completion.stop_reason
+            resp.usage.CopyFrom(
+                common_pb2.Usage(
+                    prompt_tokens=len(self.prompt_ids),
+                    completion_tokens=self.sent_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
+            )
+            resp.timings.CopyFrom(convert.timings_to_pb(self.timings))
+
+    def fill_aborted(self, resp: decode_pb2.GenerateResponse) -> None:
+        """The last response of a request ended by Abort()."""
+        resp.request_id = self.rid
+        resp.finish_reason = common_pb2.FINISH_REASON_ABORT
+        resp.usage.CopyFrom(
+            common_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.sent_tokens)
+        )
+
+    def _add_prompt(self, resp) -> None:
+        resp.prompt_token_ids.extend(self.prompt_ids)
+        if self.request.HasField("text"):
+            resp.prompt_text = self.request.text
+        elif self.engine.tokenizer is not None:
+            resp.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
+
+    def _add_prompt_logprobs(self, resp, out: RequestOutput) -> None:
+        # the first prompt token has no logprob (rank 0); its text is still needed (echo)
+        prompt_ids = self.prompt_ids
+        first = self.engine.decode_token(prompt_ids[0]) or ""
+        resp.prompt_logprobs.append(
+            common_pb2.TokenLogprob(token_id=prompt_ids[0], rank=0, token=first)
+        )
+        resp.prompt_logprobs.extend(
+            convert.prompt_logprobs_to_pb(
+                prompt_ids, out.prompt_logprobs, self.params.prompt_logprobs
+            )
+        )

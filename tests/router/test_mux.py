@@ -1,0 +1,103 @@
+"""The router's shared stream to a decode worker (router/mux.py) against a real decode
+worker: answers equal the colocated engine, a cancelled request is freed on the worker
+within a second while the others go on, a deadline ends only its request, and a broken
+stream fails its requests with a status dispatch.py retries while the next request
+opens a new stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from router.mux import DecodeMux, WorkerCallError
+from services.engine import SamplingParams
+from tests.workers.procs import start_worker
+
+
+@pytest.fixture(scope="module")
+def decode(model):
+    worker = start_worker("decode", model=model)
+    yield worker
+    worker.stop()
+
+
+def _gen(rid, prompt, max_tokens=8, **params):
+    return decode_pb2.GenerateRequest(
+        request_id=rid,
+        token_ids=common_pb2.TokenIds(ids=prompt),
+        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+    )
+
+
+async def _collect(request):
+    tokens = []
+    try:
+        async for resp in request:
+            tokens.extend(resp.token_ids)
+    finally:
+        request.cancel()
+    return tokens
+
+
+def test_requests_share_a_stream_and_end_alone(decode, colocated):
+    prompts = [colocated.tokenizer.encode(t) for t in ("Hi there", "One two three", "Paris is")]
+    refs = [
+        o.output.token_ids
+        for o in colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    ]
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
+            endless = mux.open(_gen("endless", prompts[0], 4000, ignore_eos=True), 60)
+            first = await endless.__anext__()
+            assert first.token_ids
+            late = mux.open(_gen("late", prompts[0], 4000, ignore_eos=True), 0.5)
+            answers = await asyncio.gather(
+                *(_collect(mux.open(_gen(f"a{i}", p), 60)) for i, p in enumerate(prompts))
+            )
+            with pytest.raises(WorkerCallError) as late_error:
+                await _collect(late)
+            endless.cancel()  # leaving early: the worker drops it
+            decode.wait_all_blocks_free(timeout=1.0)
+            session = mux._session
+            await mux.close()
+            return answers, late_error.value, session
+
+    answers, late_error, session = asyncio.run(run())
+    assert answers == refs
+    assert late_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert session.closed is not None and not session.requests
+
+
+def test_a_broken_stream_fails_its_requests_and_the_next_opens_another(decode, colocated):
+    prompt = colocated.tokenizer.encode("Count: one, two")
+    (ref,) = [
+        o.output.token_ids
+        for o in colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+    ]
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
+            doomed = [mux.open(_gen(f"d{i}", prompt, 4000, ignore_eos=True), 60) for i in range(3)]
+            await doomed[0].__anext__()
+            broken = mux._session
+            broken.call.cancel()  # the stream breaks under them (as when a worker dies)
+            errors = []
+            for request in doomed:
+                with pytest.raises(WorkerCallError) as e:
+                    await _collect(request)
+                errors.append(e.value.code())
+            tokens = await _collect(mux.open(_gen("after", prompt), 60))
+            assert mux._session is not broken
+            await mux.close()
+            return errors, tokens
+
+    errors, tokens = asyncio.run(run())
+    assert errors == [grpc.StatusCode.CANCELLED] * 3
+    assert tokens == ref
+    decode.wait_all_blocks_free(timeout=1.0)

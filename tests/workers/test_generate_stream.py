@@ -1,0 +1,150 @@
+"""GenerateStream: many requests over one gRPC stream (the router's way to a decode
+worker). Real prefill and decode processes over Mooncake TCP; every answer equals the
+colocated engine's, and cancellations, errors, deadlines and a vanished caller leave
+no block held."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.workers.procs import worker_pair
+from tests.workers.test_disaggregated import expected, prompt_set
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    with worker_pair(model) as workers:
+        yield workers
+
+
+def _start(rid, prompt, prefill=None, max_tokens=MAX_TOKENS, timeout=60.0, **params):
+    gen = decode_pb2.GenerateRequest(
+        request_id=rid,
+        token_ids=common_pb2.TokenIds(ids=prompt),
+        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+        prefill_address=prefill.address if prefill else "",
+    )
+    return decode_pb2.GenerateStreamRequest(start=gen, timeout_seconds=timeout)
+
+
+class Stream:
+    """One GenerateStream call: send starts and cancels, collect per request."""
+
+    def __init__(self, decode):
+        self.channel = grpc.aio.insecure_channel(decode.address)
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, decode_pb2.GenerateResponse] = {}
+        self.errors: dict[str, decode_pb2.GenerateStreamError] = {}
+        self.messages = 0
+        self.first_token = asyncio.Event()
+
+        async def requests():
+            while (m := await self.outgoing.get()) is not None:
+                yield m
+
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.call = stub.GenerateStream(requests())
+
+    async def read_until(self, done, timeout=60.0):
+        if done(self):
+            return
+        async with asyncio.timeout(timeout):
+            async for message in self.call:
+                self.messages += 1
+                for resp in message.responses:
+                    self.tokens.setdefault(resp.request_id, []).extend(resp.token_ids)
+                    if resp.token_ids:
+                        self.first_token.set()
+                    if resp.finish_reason:
+                        self.finals[resp.request_id] = resp
+                for err in message.errors:
+                    self.errors[err.request_id] = err
+                if done(self):
+                    return
+
+    async def close(self):
+        self.outgoing.put_nowait(None)
+        await self.channel.close()
+
+
+def test_many_requests_on_one_stream_equal_the_colocated_engine(pair, colocated):
+    prefill, decode = pair
+    prompts = prompt_set(colocated.tokenizer)
+    refs = expected(colocated, prompts, MAX_TOKENS)
+
+    async def run():
+        s = Stream(decode)
+        for i, p in enumerate(prompts):  # half through the prefill worker, half local
+            s.outgoing.put_nowait(_start(f"r{i}", p, prefill if i % 2 else None))
+        await s.read_until(lambda s: len(s.finals) == len(prompts))
+        await s.close()
+        return s
+
+    s = asyncio.run(run())
+    assert not s.errors
+    assert [s.tokens[f"r{i}"] for i in range(len(prompts))] == refs
+    for i, p in enumerate(prompts):
+        assert s.finals[f"r{i}"].usage.prompt_tokens == len(p)
+    # one message per step carries every request's token: far fewer than one per token
+    assert s.messages < sum(map(len, refs))
+    prefill.wait_all_blocks_free()
+    decode.wait_all_blocks_free()
+
+
+def test_errors_cancels_and_deadlines_stay_with_their_request(pair, colocated):
+    prefill, decode = pair
+    prompt = colocated.tokenizer.encode("The capital of France is")
+    (ref,) = expected(colocated, [prompt], MAX_TOKENS)
+
+    async def run():
+        s = Stream(decode)
+        s.outgoing.put_nowait(_start("long", prompt, prefill, max_tokens=4000, ignore_eos=True))
+        s.outgoing.put_nowait(_start("late", prompt, max_tokens=4000, ignore_eos=True, timeout=1))
+        s.outgoing.put_nowait(_start("bad", [10**9]))  # a token id outside the vocabulary
+        s.outgoing.put_nowait(_start("ok", prompt, prefill))
+        s.outgoing.put_nowait(_start("ok", prompt))  # the same id again while in flight
+        await s.read_until(lambda s: "ok" in s.finals and "long" in s.tokens)
+        s.outgoing.put_nowait(decode_pb2.GenerateStreamRequest(cancel="long"))
+        await s.read_until(lambda s: "late" in s.errors)
+        await s.close()
+        return s
+
+    start = time.monotonic()
+    s = asyncio.run(run())
+    assert s.tokens["ok"] == ref
+    assert s.errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "vocabulary" in s.errors["bad"].message or "token" in s.errors["bad"].message
+    assert s.errors["ok"].code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert s.errors["late"].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "long" not in s.finals and "long" not in s.errors  # cancelled: nothing more
+    assert time.monotonic() - start < 30
+    prefill.wait_all_blocks_free()
+    decode.wait_all_blocks_free()
+
+
+def test_a_vanished_caller_frees_every_request(pair, colocated):
+    prefill, decode = pair
+    prompt = colocated.tokenizer.encode("Write a haiku about autumn leaves:")
+
+    async def run():
+        s = Stream(decode)
+        for i in range(6):
+            args = dict(max_tokens=4000, ignore_eos=True)
+            s.outgoing.put_nowait(_start(f"v{i}", prompt, prefill if i % 2 else None, **args))
+        await s.read_until(lambda s: len(s.tokens) == 6)
+        assert decode.load().num_running == 6
+        s.call.cancel()  # the router went away without a word
+        await s.close()
+
+    asyncio.run(run())
+    prefill.wait_all_blocks_free()
+    report = decode.wait_all_blocks_free()
+    assert report.num_running == 0 and report.num_free_blocks == report.num_total_blocks
