@@ -92,6 +92,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="requests in flight before answering 429 (0: no limit)",
     )
     p.add_argument(
+        "--max-concurrent-requests-per-key",
+        type=int,
+        default=d.max_concurrent_requests_per_key,
+        help="requests in flight per API key before answering it 429 (0: no limit)",
+    )
+    p.add_argument(
         "--max-retries",
         type=int,
         default=d.max_retries,
@@ -174,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_failure_threshold=args.health_failure_threshold,
         dns_interval=args.dns_interval,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
         max_retries=args.max_retries,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,

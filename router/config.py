@@ -83,6 +83,7 @@ class RouterConfig:
     health_failure_threshold: int = 3
     dns_interval: float = 10.0  # seconds between re-resolutions of worker DNS names
     max_concurrent_requests: int = 1024  # over this: 429; 0: no limit
+    max_concurrent_requests_per_key: int = 0  # per API key (with --api-key); 0: no limit
     max_retries: int = 2  # other pairs tried when a worker fails before the first token
     retry_after: int = 1  # seconds, the Retry-After header of a 429
     pair_timeout: float = 30.0  # seconds an AddPrefillPeer handshake may take
@@ -159,6 +160,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_concurrent_requests < 0:
             raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
+        if self.max_concurrent_requests_per_key < 0:
+            raise ValueError("max_concurrent_requests_per_key must be >= 0 (0: no limit)")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         if self.health_failure_threshold < 1:

@@ -60,6 +60,12 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def api_key_id(request: web.Request) -> bytes | None:
+    """Who is asking, for per-key limits: the digest of the request's API key."""
+    token = _bearer(request)
+    return None if token is None else _digest(token)
+
+
 def _digest(value: str) -> bytes:
     # equal-length digests: compare_digest's time then says nothing about key lengths
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()

@@ -166,7 +166,7 @@ def _compound(lim: RequestLimits) -> dict[str, dict]:
             {
                 "type": "object",
                 "properties": {
-                    "type": {"enum": ["text", "json_object", "json_schema"]},
+                    "type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]},
                     "json_schema": {
                         "type": "object",
                         "properties": {
@@ -178,7 +178,8 @@ def _compound(lim: RequestLimits) -> dict[str, dict]:
                     },
                 },
                 "required": ["type"],
-                "description": "json_schema needs json_schema.schema",
+                "description": "json_schema needs json_schema.schema; structural_tag "
+                "takes structures (begin, schema, end) and triggers, or format",
             }
         ),
         "structured_outputs": _nullable(
@@ -197,7 +198,7 @@ def _compound(lim: RequestLimits) -> dict[str, dict]:
                     "disable_any_whitespace": {"enum": [False]},
                     "disable_additional_properties": {"enum": [False]},
                     "whitespace_pattern": {"type": "null"},
-                    "structural_tag": {"type": "null"},
+                    "structural_tag": _nullable(constraint_str),
                 },
                 "additionalProperties": False,
                 "minProperties": 1,

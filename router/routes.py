@@ -15,6 +15,7 @@ from pdpb.v1 import decode_pb2
 from router import openapi, sse
 from router.body import expect_handler, read_json
 from router.errors import RETRYABLE, APIError, from_grpc, overloaded, unavailable
+from router.middleware import api_key_id
 from router.protocol import (
     GenerationRequest,
     parse_chat_request,
@@ -93,9 +94,12 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
         req.sampling["skip_special_tokens"] = False
     model, worker_model = resolve_model(state, req.model)
     check_context(state, req, worker_model)
-    if not state.limit.try_acquire():
+    key = api_key_id(request) if state.config.api_keys else None
+    if not state.limit.try_acquire(key):
         raise overloaded(
-            f"the router is at its limit of {state.limit.limit} concurrent requests",
+            f"this API key has {state.limit.per_key} requests in flight, its limit"
+            if state.limit.key_full(key)
+            else f"the router is at its limit of {state.limit.limit} concurrent requests",
             state.config.retry_after,
         )
     state.metrics.inflight.inc()
@@ -131,7 +135,7 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
         log.info("%s cancelled (client disconnected); worker requests cancelled", request.path)
         raise
     finally:
-        state.limit.release()
+        state.limit.release(key)
         state.metrics.inflight.dec()
 
 

@@ -34,7 +34,9 @@ class RouterState:
             registry=registry,
             metrics=metrics,
             dispatcher=Dispatcher(registry, metrics),
-            limit=ConcurrencyLimit(config.max_concurrent_requests),
+            limit=ConcurrencyLimit(
+                config.max_concurrent_requests, config.max_concurrent_requests_per_key
+            ),
             reasoning_parser=(
                 make_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
             ),

@@ -1,7 +1,7 @@
 """Structured-output request fields -> one pdpb StructuredOutput.
 
-OpenAI's response_format (json_schema, json_object, text), vLLM's structured_outputs
-({json | regex | choice | grammar | json_object}) and its older guided_json,
+OpenAI's response_format (json_schema, json_object, text; vLLM's structural_tag), vLLM's
+structured_outputs ({json | regex | choice | grammar | json_object | structural_tag}) and its older guided_json,
 guided_regex, guided_choice and guided_grammar. At most one constraint per request.
 The router checks shapes only (it has no tokenizer, nor xgrammar); the worker compiles
 the constraint and refuses one that does not compile with a message starting
@@ -28,7 +28,6 @@ _NO_OP_OPTIONS = {
     "disable_any_whitespace": (False,),
     "disable_additional_properties": (False,),
     "whitespace_pattern": (None,),
-    "structural_tag": (None,),
 }
 _WORKER_MARK = "structured output"
 
@@ -67,9 +66,13 @@ def _response_format(fmt: Any) -> common_pb2.StructuredOutput | None:
         return None
     if kind == "json_object":
         return common_pb2.StructuredOutput(kind="json_object")
+    if kind == "structural_tag":
+        tag = {k: v for k, v in fmt.items() if k != "type"}
+        return structural_tag(tag, param)
     if kind != "json_schema":
         raise bad_request(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type must be 'text', 'json_object', 'json_schema' or "
+            f"'structural_tag', got {kind!r}",
             param,
         )
     spec = fmt.get("json_schema")
@@ -94,6 +97,16 @@ def _structured_outputs(opts: Any) -> list[common_pb2.StructuredOutput]:
         if key in ("json", "regex", "choice", "grammar"):
             if value is not None:
                 found.append(_constraint(key, value, f"{param}.{key}"))
+        elif key == "structural_tag":
+            if value is not None:  # vLLM: the tag as a JSON string
+                try:
+                    tag = json.loads(value) if isinstance(value, str) else None
+                except ValueError:
+                    tag = None
+                if not isinstance(tag, dict):
+                    raise bad_request(f"'{param}.structural_tag' must be a JSON object", param)
+                tag.pop("type", None)
+                found.append(structural_tag(tag, param))
         elif key == "json_object":
             if value not in (None, False, True):
                 raise bad_request(f"'{param}.json_object' must be a boolean", param)
@@ -111,6 +124,39 @@ def _structured_outputs(opts: Any) -> list[common_pb2.StructuredOutput]:
     if len(found) > 1:
         raise bad_request(f"'{param}' may hold only one constraint", param)
     return found
+
+
+def structural_tag(tag: dict, param: str) -> common_pb2.StructuredOutput:
+    """A structural tag (xgrammar's): free text until a trigger, then a tagged section
+    whose content is constrained. vLLM's two shapes: {"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}, or {"format": {...}} (xgrammar's format)."""
+    where = f"{param}.structural_tag" if param == "structured_outputs" else param
+    if "format" in tag:
+        if set(tag) != {"format"} or not isinstance(tag["format"], dict):
+            raise bad_request(f"'{where}' with format takes one object, format", param)
+        spec = {"type": "structural_tag", "format": tag["format"]}
+        return common_pb2.StructuredOutput(
+            kind="structural_tag", spec=json.dumps(spec, ensure_ascii=False)
+        )
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if set(tag) - {"structures", "triggers"}:
+        raise bad_request(f"'{where}' takes structures and triggers, or format", param)
+    if not isinstance(structures, list) or not structures:
+        raise bad_request(f"'{where}.structures' must be a non-empty list", param)
+    for s in structures:
+        ok = isinstance(s, dict) and set(s) <= {"begin", "schema", "end"}
+        if not ok or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise bad_request(f"each of '{where}.structures' needs begin, schema, end", param)
+        if not isinstance(s.get("schema"), (dict, bool)):
+            raise bad_request(f"'{where}.structures[].schema' must be a JSON schema", param)
+    if not isinstance(triggers, list) or not triggers:
+        raise bad_request(f"'{where}.triggers' must be a non-empty list of strings", param)
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise bad_request(f"'{where}.triggers' must be a non-empty list of strings", param)
+    spec = {"structures": structures, "triggers": triggers}
+    return common_pb2.StructuredOutput(
+        kind="structural_tag", spec=json.dumps(spec, ensure_ascii=False)
+    )
 
 
 def _constraint(kind: str, value: Any, where: str) -> common_pb2.StructuredOutput:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 # vLLM's structured_outputs keys
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)

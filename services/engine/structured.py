@@ -30,6 +30,7 @@ _WHAT = {
     "regex": "regex",
     "choice": "choice list",
     "grammar": "grammar",
+    "structural_tag": "structural tag",
 }
 # OpenAI's json_object promises an object; vLLM compiles xgrammar's built-in JSON
 # grammar, which also lets a top-level array through. An object fits both.
@@ -90,8 +91,10 @@ class Grammars:
                 return compiler.compile_regex(so.spec)
             if so.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(so.spec)))
+            if so.kind == "structural_tag":
+                return _compile_structural_tag(compiler, json.loads(so.spec))
             return compiler.compile_grammar(so.spec)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             detail = _CPP_PREFIX.sub("", str(e).strip()).split(" The JSON string is:")[0]
             raise ValueError(
                 f"structured output ({so.kind}): invalid {_WHAT[so.kind]}: {detail[:500]}"
@@ -120,6 +123,20 @@ class Grammars:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+def _compile_structural_tag(compiler, tag: dict):
+    """vLLM's two shapes (router/structured.py): xgrammar's format object as it is, or
+    the older structures + triggers, which xgrammar still takes as tag items."""
+    import xgrammar as xgr
+
+    if "format" in tag:
+        return compiler.compile_structural_tag(tag)
+    items = [
+        xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
+    return compiler.compile_structural_tag(items, tag["triggers"])
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -3,6 +3,7 @@ admin, request logging. The app runs in-process on a free port; the official ope
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import openai
@@ -130,6 +131,28 @@ def test_overload_is_429_with_retry_after():
         with pytest.raises(openai.InternalServerError):  # admitted, then no workers: 503
             client.chat.completions.create(model="m", messages=MSG)
         assert limit.inflight == 1  # the admitted request released its slot
+
+
+def test_one_api_key_cannot_hold_every_slot():
+    cfg = config(
+        served_model_name="m",
+        api_keys=("k1", "k2"),
+        max_concurrent_requests=8,
+        max_concurrent_requests_per_key=1,
+    )
+    with RouterThread(cfg) as r:
+        limit = r.state.limit
+        k1 = hashlib.sha256(b"k1").digest()
+        assert r.run_sync(lambda: limit.try_acquire(k1))  # k1's one request in flight
+        busy = openai.OpenAI(base_url=r.url + "/v1", api_key="k1", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            busy.chat.completions.create(model="m", messages=MSG)
+        assert "this API key" in e.value.body["message"]
+        other = openai.OpenAI(base_url=r.url + "/v1", api_key="k2", max_retries=0)
+        with pytest.raises(openai.InternalServerError):  # admitted, then no workers: 503
+            other.chat.completions.create(model="m", messages=MSG)
+        r.run_sync(lambda: limit.release(k1))
+        assert limit.inflight == 0 and not limit.by_key  # every slot given back
 
 
 def test_api_keys():

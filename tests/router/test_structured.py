@@ -14,6 +14,13 @@ from router.protocol import parse_chat_request, parse_completion_request
 
 MSG = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+TAG = {"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}
+FMT = {
+    "type": "tag",
+    "begin": "<a>",
+    "content": {"type": "json_schema", "json_schema": SCHEMA},
+    "end": "</a>",
+}
 
 
 def chat(**kw):
@@ -29,7 +36,8 @@ def constraint(req):
     if not pb.HasField("structured_output"):
         return None
     so = pb.structured_output
-    return so.kind, (json.loads(so.spec) if so.kind in ("json", "choice") else so.spec)
+    structured = so.kind in ("json", "choice", "structural_tag")
+    return so.kind, (json.loads(so.spec) if structured else so.spec)
 
 
 @pytest.mark.parametrize(
@@ -57,6 +65,21 @@ def constraint(req):
         ({"guided_choice": ["yes", "no"]}, ("choice", ["yes", "no"]), "guided_choice"),
         ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"'), "guided_grammar"),
         ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, ("json", SCHEMA), "guided_json"),
+        (
+            {"response_format": {"type": "structural_tag", "structures": [TAG], "triggers": ["<f="]}},
+            ("structural_tag", {"structures": [TAG], "triggers": ["<f="]}),
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "structural_tag", "format": FMT}},
+            ("structural_tag", {"type": "structural_tag", "format": FMT}),
+            "response_format",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": FMT})}},
+            ("structural_tag", {"type": "structural_tag", "format": FMT}),
+            "structured_outputs",
+        ),
     ],
 )  # fmt: skip
 def test_each_spelling_reaches_the_worker(fields, want, param):
@@ -92,6 +115,12 @@ def test_each_spelling_reaches_the_worker(fields, want, param):
         ({"guided_json": SCHEMA, "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ({"guided_json": SCHEMA, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"structural_tag": "{}"}, "structural_tag"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "structures": [TAG]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<"]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "format": "tag"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "format": FMT, "triggers": ["<"]}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
     ],
 )  # fmt: skip
 def test_bad_shapes_are_refused_by_name(fields, param):

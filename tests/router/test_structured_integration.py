@@ -130,6 +130,29 @@ def test_chat_response_format_json_schema_and_json_object(client):
     assert isinstance(json.loads(text), dict)
 
 
+def test_structural_tag_constrains_the_tagged_section(client):
+    """vLLM's response_format structural_tag (xgrammar's format): the answer must be the
+    tag with a JSON body that validates, whatever the model would have written."""
+    fmt = {
+        "type": "tag",
+        "begin": "<person>",
+        "content": {"type": "json_schema", "json_schema": PERSON},
+        "end": "</person>",
+    }
+    resp = client.chat.completions.create(
+        model=SERVED,
+        messages=ASK,
+        max_tokens=96,
+        temperature=0,
+        response_format={"type": "structural_tag", "format": fmt},
+    )
+    text = resp.choices[0].message.content
+    match = re.fullmatch(r"<person>(.*)</person>", text, re.S)
+    assert match, text
+    jsonschema.validate(json.loads(match.group(1)), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+
+
 def test_completions_guided_choice_and_structured_outputs_regex(client):
     cities = ["Paris", "London", "Berlin"]
     out = client.completions.create(
