@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvtransfer.faults import TransferFaults
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible, coalesce
 from kvtransfer.tp_plan import block_chunks, chunk_regions
 
@@ -166,6 +167,7 @@ class KVConnector(ABC):
         self._peers: dict[str, KVAgentInfo] = {}
         self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._counters["seconds"] = 0.0
+        self.faults = TransferFaults()  # injected on purpose by tests (kvtransfer/faults.py)
 
     # --- backend hooks -------------------------------------------------------------
     @abstractmethod
@@ -209,6 +211,8 @@ class KVConnector(ABC):
         and backend/protocol), so a bad pairing fails before any request is routed to it.
         """
         local = self.agent_info()
+        if self.faults.fail_handshake(info.session_id):
+            raise KVTransferError("fault injection: handshake failed", peer=info.session_id)
         diffs: list[str] = []
         details: list[str] = []
         for name in ("backend", "protocol"):
@@ -288,6 +292,8 @@ class KVConnector(ABC):
             self._max_region_bytes(),
         )
         try:
+            if self.faults.fail_write(peer.session_id):
+                raise KVTransferError("fault injection: KV write failed", peer=peer.session_id)
             num_batches = self._write_regions(peer, regions, deadline)
         except KVTransferError as exc:
             self._count(failed=True, timed_out=exc.timed_out)

@@ -334,9 +334,7 @@ class MooncakeConnector(KVConnector):
 
     def _write_batch(self, session_id: str, batch: list[tuple[int, int, int]]) -> int:
         """One blocking engine call for a batch of regions; returns Mooncake's rc."""
-        if self.faults.write_delay_s:
-            log.warning("fault injection: delaying a write by %.1fs", self.faults.write_delay_s)
-            time.sleep(self.faults.write_delay_s)
+        self.faults.delay_write()
         rc = self._engine.batch_transfer_sync_write(
             session_id, [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch]
         )

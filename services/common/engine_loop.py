@@ -11,12 +11,19 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from services.engine import LLMEngine, RequestOutput
+from services.engine.kv_audit import KVAudit
 
 log = logging.getLogger(__name__)
+
+# The leak audit runs on the engine thread between steps this often; GetLoad reports the
+# latest one and never waits for a step (a probe waiting for a long step on a starved
+# host timed out, and the router took a live worker out of its pool).
+AUDIT_INTERVAL_S = 1.0
 
 
 class EngineLoop:
@@ -28,6 +35,8 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.last_audit = KVAudit(0, 0.0)
+        self._audited_at = float("-inf")
 
     def start(self) -> None:
         self._thread.start()
@@ -100,6 +109,7 @@ class EngineLoop:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished_requests()
             self._drain_commands(block)
+            self._audit_now_and_then()
             if self._stop.is_set() or not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -109,6 +119,15 @@ class EngineLoop:
                 self._fail_all(e)
                 continue
             self.publish_step(outputs)
+
+    def _audit_now_and_then(self) -> None:
+        now = time.monotonic()
+        if now - self._audited_at >= AUDIT_INTERVAL_S:
+            try:
+                self.last_audit = self.engine.kv_audit()
+            except Exception:  # the audit must never take the engine loop down
+                log.exception("KV audit failed")
+            self._audited_at = now
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer import KVLayoutMismatch
+from kvtransfer import KVLayoutMismatch, KVTransferError
 from pdpb import tls
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
@@ -130,7 +130,9 @@ class RemotePrefill:
             # recomputing every request here would hide the misconfiguration. The
             # caller frees the reserved blocks; the client gets FAILED_PRECONDITION.
             raise
-        except (grpc.aio.AioRpcError, PeerFailedError, ValueError) as e:
+        except (grpc.aio.AioRpcError, PeerFailedError, KVTransferError, ValueError) as e:
+            # KVTransferError: our side of the handshake with it failed (a transient
+            # transfer-engine fault), which the policy handles like any peer failure
             if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None  # the request is bad, not the peer
             return await self._fall_back(key, address, e)

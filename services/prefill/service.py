@@ -9,6 +9,7 @@ import logging
 import time
 
 from kvtransfer import KVAgentInfo, KVTransferError, TransferStats
+from kvtransfer.faults import PrefillStalls
 from pdpb.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
 from services.common.errors import (
@@ -49,6 +50,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._inflight: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
         # ids aborted before their Prefill arrived: refuse them when they do
         self._aborted: dict[str, float] = {}
+        self._stalls = PrefillStalls.from_env()  # faults for tests only (kvtransfer/faults.py)
+        if self._stalls.active:
+            log.warning("prefill stall injection is on: %s", self._stalls)
 
     async def Handshake(self, request, context):
         peer = convert.agent_from_pb(request.decode_agent)
@@ -127,6 +131,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Computes the prompt, writes the blocks the decode worker lacks, frees ours
         (full blocks stay as prefix cache). Returns only once nothing can still write."""
         engine, loop = self.ctx.engine, self.ctx.loop
+        if stall := self._stalls.stall("before", rid):
+            await asyncio.sleep(stall)
         stream = loop.open_stream(rid)
         started = time.perf_counter()
         try:
@@ -138,6 +144,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise EngineFailedError(f"prefill of {rid} failed: {out}") from out
             prefill_s = time.perf_counter() - started
             seq = engine.get_sequence(rid)
+            if stall := self._stalls.stall("after", rid):
+                await asyncio.sleep(stall)
             skip = num_cached_tokens // self.ctx.engine_config.block_size
             stats = await self._transfer(peer, seq.block_table[skip:], block_ids[skip:])
             first = out.output.token_ids[0]
