@@ -214,7 +214,12 @@ def _announce(
 
 async def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
     stats = ctx.engine.stats()
-    audit = ctx.loop.last_audit  # the engine thread's latest (at most ~1 s old)
+    if ctx.engine.has_unfinished_requests():
+        # busy: the engine thread's latest audit (at most ~1 s old); waiting for the
+        # step in progress made probes time out on a starved host
+        audit = ctx.loop.last_audit
+    else:  # idle: exact, and answered at once between commands
+        audit = await ctx.loop.call(ctx.engine.kv_audit)
     stats.update(audit.as_dict())
     ctx.metrics.update_load(stats)
     kv = ctx.connector.stats()
