@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -208,8 +209,12 @@ def _announce(
     # One machine-readable line per event, so scripts and tests can find the ports.
     line = {"event": event, "role": role, "address": f"{host}:{port}", "metrics_port": metrics_port}
     line.update(extra)
-    print("PDSERVE " + json.dumps(line), flush=True)
+    data = ("PDSERVE " + json.dumps(line) + "\n").encode()
     sys.stdout.flush()
+    # one write(2): a pipe keeps it whole (under PIPE_BUF), so a log line from another
+    # thread (Mooncake's relay) cannot land inside it, as one did between print()'s
+    # text and its newline and a reader never saw the worker ready
+    os.write(sys.stdout.fileno(), data)
 
 
 async def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
