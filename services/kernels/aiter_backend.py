@@ -96,7 +96,7 @@ class AiterBackend:
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        xq, xs = quantize_activation(x2, fmt.act_group(k))
+        xq, xs = quantize_activation(x2, fmt.act_group(k), weight.dtype)  # fnuz on MI300
         if fmt.granularity == "block":
             # the kernel derives the scale blocks from the scale shapes (the next power of
             # two of K / scale columns), which gives block_k only for power-of-two blocks

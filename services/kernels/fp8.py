@@ -1,17 +1,26 @@
 """FP8 linear layers as the kernels see them, and the reference math every FP8 kernel
 is tested against.
 
-A quantized linear (services/models/fp8_linear.py) holds `weight` in float8_e4m3fn
-[N, K], `weight_scale` in float32 and its `fp8_format` (an Fp8Format, below), which
-says how the scale maps onto the weight: dequantized weight = fp8 * scale, with one
-scale per `block_n x block_k` block ("block": [ceil(N/bn), ceil(K/bk)], as DeepSeek-V3
-and Qwen3-*-FP8 ship), per output row ("channel": [N]) or one for all ("tensor": a
-0-dim tensor). Activations are quantized dynamically at every call, symmetric, to
-e4m3 with scale = amax / 448: per token and per `block_k` group of K for block
-weights (as DeepSeek-V3 / vLLM's w8a8 block-FP8 do), per token over all of K for
-channel and tensor weights (compressed-tensors FP8_DYNAMIC, online quantization). So a
-matmul is W8A8: every kernel, and the reference here, compute
-sum_k (x_q * x_scale)(w_q * w_scale) in fp32 and round the result to x's dtype."""
+A quantized linear (services/models/fp8_linear.py) holds `weight` in FP8 e4m3 [N, K]
+(float8_e4m3fn, or fnuz where the platform needs it: below), `weight_scale` in
+float32 and its `fp8_format` (an Fp8Format, below), which says how the scale maps
+onto the weight: dequantized weight = fp8 * scale, with one scale per `block_n x
+block_k` block ("block": [ceil(N/bn), ceil(K/bk)], as DeepSeek-V3 and Qwen3-*-FP8
+ship), per output row ("channel": [N]) or one for all ("tensor": a 0-dim tensor).
+Activations are quantized dynamically at every call, symmetric, to the weight's e4m3
+type with scale = amax / its max (448 for fn): per token and per `block_k` group of K
+for block weights (as DeepSeek-V3 / vLLM's w8a8 block-FP8 do), per token over all of
+K for channel and tensor weights (compressed-tensors FP8_DYNAMIC, online
+quantization). So a matmul is W8A8: every kernel, and the reference here, compute
+sum_k (x_q * x_scale)(w_q * w_scale) in fp32 and round the result to x's dtype.
+
+Which e4m3: checkpoints store OCP float8_e4m3fn (max 448), and so does every NVIDIA GPU
+and MI350; AMD's MI300 (gfx94x) computes in float8_e4m3fnuz (exponent bias 8, not 7:
+the same bits mean half the value, max 240; no -0, whose bits 0x80 are its only NaN).
+`platform_fp8_dtype` decides which, once, for a device; the loader converts an fn
+checkpoint to fnuz there (`fn_to_fnuz`: the same bits, 0x80 -> 0, scales doubled, so
+weight * scale is unchanged) and activations are quantized to the weight's type with
+that type's max (240 for fnuz), as vLLM does on ROCm."""
 
 from __future__ import annotations
 
@@ -19,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn  # checkpoints' (OCP e4m3)
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+FP8_FNUZ_DTYPE = torch.float8_e4m3fnuz  # MI300's (gfx94x): max 240
+FP8_DTYPES = (FP8_DTYPE, FP8_FNUZ_DTYPE)
 # The smallest amax a scale is made from: an all-zero row quantizes to zeros, not NaN.
 _MIN_AMAX = 1e-12
 GRANULARITIES = ("block", "channel", "tensor")
@@ -28,6 +39,10 @@ GRANULARITIES = ("block", "channel", "tensor")
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,40 @@ class Fp8Format:
         return self.block_k if self.granularity == "block" else k
 
 
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 type: 448 for e4m3fn, 240 for e4m3fnuz."""
+    return torch.finfo(dtype).max
+
+
+def fp8_dtype_for_arch(gcn_arch: str | None) -> torch.dtype:
+    """The e4m3 type a GPU computes in, from its ROCm architecture name (None: not a
+    ROCm device): float8_e4m3fnuz on gfx94x (MI300 series), float8_e4m3fn everywhere
+    else (NVIDIA, MI350's gfx950 and later, the CPU)."""
+    return FP8_FNUZ_DTYPE if gcn_arch and gcn_arch.startswith("gfx94") else FP8_DTYPE
+
+
+def platform_fp8_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """The FP8 weight (and KV-cache) type for `device`: the one place that decides."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or getattr(torch.version, "hip", None) is None:
+        return FP8_DTYPE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return fp8_dtype_for_arch(torch.cuda.get_device_properties(index).gcnArchName)
+
+
+def fn_to_fnuz(
+    weight: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float8_e4m3fn weight and its scales as float8_e4m3fnuz ones with the same
+    dequantized values: the same bits (worth half as much in fnuz), except 0x80 (-0 in
+    fn, NaN in fnuz) which becomes 0, and scales doubled (exact: a power of two)."""
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"fn_to_fnuz converts float8_e4m3fn, not {weight.dtype}")
+    bits = weight.view(torch.int8)
+    bits = bits.masked_fill(bits == -128, 0)
+    return bits.view(FP8_FNUZ_DTYPE), None if scale is None else scale * 2
+
+
 def fp8_format_of(layer) -> Fp8Format | None:
     """The layer's Fp8Format, None for an unquantized nn.Linear. Read from the instance
     dict: a miss through nn.Module.__getattr__ would raise and catch on every call."""
@@ -68,17 +117,21 @@ def fp8_format_of(layer) -> Fp8Format | None:
 
 
 # ---- the reference (torch ops; CPU and GPU) --------------------------------------------
-def quantize_activation(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, ceil(K / group)]), symmetric,
-    scale = amax / 448 per row and group of `group` columns."""
+def quantize_activation(
+    x: torch.Tensor, group: int, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 `dtype` [M, K], fp32 scales [M, ceil(K / group)]), symmetric,
+    scale = amax / max(dtype) (448, or 240 for fnuz) per row and group of `group`
+    columns."""
+    top = fp8_max(dtype)
     m, k = x.shape
     groups = cdiv(k, group)
     xf = x.float()
     if groups * group != k:  # zero-pad the last group (zeros change no amax)
         xf = torch.nn.functional.pad(xf, (0, groups * group - k))
     xg = xf.view(m, groups, group)
-    scale = xg.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / FP8_MAX
-    q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = xg.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / top
+    q = (xg / scale.unsqueeze(-1)).clamp(-top, top).to(dtype)
     return q.view(m, groups * group)[:, :k], scale
 
 
@@ -99,12 +152,15 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format)
     return weight.float() * scale.float()
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full-precision [N, K] weight -> (float8_e4m3fn [N, K], fp32 [N]): one symmetric
+def quantize_weight_per_channel(
+    weight: torch.Tensor, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-precision [N, K] weight -> (FP8 `dtype` [N, K], fp32 [N]): one symmetric
     scale per output row (online quantization, `quantization="fp8"`)."""
+    top = fp8_max(dtype)
     wf = weight.float()
-    scale = wf.abs().amax(dim=1).clamp_min(_MIN_AMAX) / FP8_MAX
-    q = (wf / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = wf.abs().amax(dim=1).clamp_min(_MIN_AMAX) / top
+    q = (wf / scale.unsqueeze(1)).clamp(-top, top).to(dtype)
     return q, scale
 
 
@@ -115,7 +171,7 @@ def fp8_linear_reference(x: torch.Tensor, layer) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     group = fmt.act_group(k)
-    xq, xs = quantize_activation(x2, group)
+    xq, xs = quantize_activation(x2, group, layer.weight.dtype)  # fn or fnuz, as W
     out = (
         dequantize_activation(xq, xs, group)
         @ dequantize_weight(layer.weight, layer.weight_scale, fmt).t()

@@ -9,20 +9,23 @@ from typing import Protocol
 
 import torch
 
-# FP8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8): OCP e4m3 bytes, each layer's K and V
-# with one scale of its own (vLLM's k_scale / v_scale). Stored = clamp(x / scale, +-448)
-# rounded to nearest even; read = stored * scale. A scale of None means 1.0.
+# FP8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8): e4m3 bytes, each layer's K and V with
+# one scale of its own (vLLM's k_scale / v_scale). Stored = clamp(x / scale, +-max)
+# rounded to nearest even; read = stored * scale. A scale of None means 1.0. The e4m3
+# type is OCP float8_e4m3fn (max 448), or float8_e4m3fnuz (max 240) where the platform
+# computes in it (MI300: fp8.platform_fp8_dtype); the kernels take either.
 FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: larger values saturate
 
 
 def kv_cache_is_fp8(cache: torch.Tensor, k_scale=None, v_scale=None) -> bool:
     """Whether a cache holds FP8 KV. Raises ValueError for scales given with a cache in a
     wider dtype (they would be ignored) and for 8-bit float formats we do not write."""
-    if cache.dtype == FP8_KV_DTYPE:
+    if cache.dtype in FP8_KV_DTYPES:
         return True
     if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
-        raise ValueError(f"KV cache dtype {cache.dtype} is not supported (only {FP8_KV_DTYPE})")
+        raise ValueError(f"KV cache dtype {cache.dtype} is not supported (only {FP8_KV_DTYPES})")
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale / v_scale apply to an FP8 KV cache only, not {cache.dtype}")
     return False
@@ -92,8 +95,9 @@ class KernelBackend(Protocol):
     ) -> None:
         """Write k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] (strided
         views are allowed) at the given flat slots (block_id * block_size + offset).
-        An FP8 cache (FP8_KV_DTYPE) stores k / k_scale and v / v_scale, clamped to
-        +-FP8_E4M3_MAX and rounded to nearest even (None: scale 1.0); scales with any
+        An FP8 cache (FP8_KV_DTYPES) stores k / k_scale and v / v_scale, clamped to
+        its type's max (448, 240 for fnuz) and rounded to nearest even (None: scale
+        1.0); scales with any
         other cache dtype are a ValueError (kv_cache_is_fp8)."""
         ...
 

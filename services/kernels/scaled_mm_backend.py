@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from services.kernels.fp8 import FP8_DTYPE, fp8_format_of
+from services.kernels.fp8 import fp8_format_of
 from services.kernels.torch_backend import TorchBackend
 
 _ALIGN = 16
@@ -60,10 +60,10 @@ class ScaledMMBackend(TorchBackend):
             raise ValueError(f"torch._scaled_mm needs K and N multiples of 16, got {k} x {n}")
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        xq, xs = self._quantize(x2, k)  # per token: xs [M, 1]
+        xq, xs = self._quantize(x2, k, weight.dtype)  # per token: xs [M, 1]
         pad = -m % _ALIGN
         if pad:
-            padded = torch.zeros((m + pad, k), dtype=FP8_DTYPE, device=x.device)
+            padded = torch.zeros((m + pad, k), dtype=xq.dtype, device=x.device)
             padded[:m] = xq
             xq = padded
             xs = torch.cat([xs, xs.new_ones(pad, 1)])

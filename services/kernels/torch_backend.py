@@ -7,11 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.kernels.fp8 import fp8_format_of, fp8_linear_reference
-from services.kernels.interface import (
-    FP8_E4M3_MAX,
-    AttentionMetadata,
-    kv_cache_is_fp8,
-)
+from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
 
 
 class TorchBackend:
@@ -131,14 +127,15 @@ class TorchBackend:
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | None) -> torch.Tensor:
     """x as a cache of cache_dtype stores it: for FP8, x / scale in fp32, saturated to the
-    format's range (a plain cast would turn anything beyond +-448 into NaN), rounded to
-    nearest even by the cast."""
+    format's range (a plain cast would turn anything beyond +-448, or +-240 for fnuz,
+    into NaN), rounded to nearest even by the cast."""
     if not (cache_dtype.itemsize == 1 and cache_dtype.is_floating_point):
         return x.to(cache_dtype)
+    top = torch.finfo(cache_dtype).max
     x = x.float()
     if scale is not None:
         x = x / scale
-    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+    return x.clamp(-top, top).to(cache_dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:

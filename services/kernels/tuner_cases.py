@@ -131,12 +131,15 @@ class _Fp8Layer(torch.nn.Module):
 
 
 def random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
-    """Weights uniform in +-k**-0.5 once dequantized, as dummy FP8 weights are."""
-    from services.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    """Weights uniform in +-k**-0.5 once dequantized, as dummy FP8 weights are, in the
+    FP8 type the model's weights have on this device (fnuz on MI300)."""
+    from services.kernels.fp8 import fp8_max, platform_fp8_dtype
 
-    weight = (torch.rand(n, k, generator=gen) * 2 - 1) * FP8_MAX
-    scale = torch.full(fmt.scale_shape(n, k), k**-0.5 / FP8_MAX)
-    return _Fp8Layer(weight.to(FP8_DTYPE).to(device), scale.to(device), fmt)
+    dtype = platform_fp8_dtype(device)
+    top = fp8_max(dtype)
+    weight = (torch.rand(n, k, generator=gen) * 2 - 1) * top
+    scale = torch.full(fmt.scale_shape(n, k), k**-0.5 / top)
+    return _Fp8Layer(weight.to(dtype).to(device), scale.to(device), fmt)
 
 
 def attention_batch(cls, shapes, sizes, device, dtype, gen):

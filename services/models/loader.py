@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from services.kernels import KernelBackend
-from services.kernels.fp8 import FP8_DTYPE, fp8_format_of
+from services.kernels.fp8 import FP8_DTYPE, FP8_DTYPES, fp8_format_of, platform_fp8_dtype
 from services.models import default_model
 from services.models.fp8_linear import Fp8Linear
 from services.models.kv_scales import kv_scale_name, load_kv_scale
@@ -81,11 +81,16 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     tp: TPGroup | None = None,
+    fp8_dtype: torch.dtype | None = None,
 ):
     """tp: this rank's tensor-parallel group; the model holds its share of the weights
-    (each layer takes its slice of the checkpoint's tensors)."""
+    (each layer takes its slice of the checkpoint's tensors). fp8_dtype: the type FP8
+    layers keep their weights in; None: the device's (fp8.platform_fp8_dtype:
+    float8_e4m3fnuz on MI300, else float8_e4m3fn), given to force one (tests)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if fp8_dtype is not None and fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES} or None, got {fp8_dtype}")
     quant = quantization_of(hf_config, quantization)
     tp = tp or TPGroup()
     check_split(hf_config, tp.size)
@@ -95,7 +100,7 @@ def load_model(
         model = cls(hf_config, ops, tp)
     model.to(dtype)  # free on meta; allocating in the final dtype halves peak memory
     if quant is not None:  # after .to(dtype), which would cast FP8 weights and scales
-        _use_fp8_linears(model, quant)
+        _use_fp8_linears(model, quant, fp8_dtype or platform_fp8_dtype(device))
     model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
@@ -116,7 +121,7 @@ def _checkpoint_names(model, ours: str) -> list[str]:
     return [f"{prefix}.{s}" for s in shards] if shards else [ours]
 
 
-def _use_fp8_linears(model, quant: QuantConfig) -> None:
+def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
     """Swap the Linears the quantization covers for Fp8Linears (on the meta device)."""
     routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
     swapped = 0
@@ -138,12 +143,12 @@ def _use_fp8_linears(model, quant: QuantConfig) -> None:
                 if start % fmt.block_n:
                     # a shard starting inside a scale block would share it with another
                     raise ValueError(
-                        f"quantization_config.weight_block_size [{fmt.block_n}, {fmt.block_k}]: "
-                        f"{ckpt} starts at row {start} of the fused {name}, not on a block "
-                        "boundary"
+                        f"quantization_config.{quant.block_key} [{fmt.block_n}, "
+                        f"{fmt.block_k}]: {ckpt} starts at row {start} of the fused {name}, "
+                        "not on a block boundary"
                     )
         parent = model.get_submodule(name.rpartition(".")[0])
-        setattr(parent, leaf, Fp8Linear.replacing(module, fmt))
+        setattr(parent, leaf, Fp8Linear.replacing(module, fmt, fp8_dtype, quant.block_key))
         swapped += 1
     if swapped == 0:
         raise ValueError(
@@ -151,7 +156,11 @@ def _use_fp8_linears(model, quant: QuantConfig) -> None:
             "its targets / ignore"
         )
     log.info(
-        "%s: %d linear layers kept in FP8 (%s scales)", quant.method, swapped, quant.granularity
+        "%s: %d linear layers kept in FP8 (%s, %s scales)",
+        quant.method,
+        swapped,
+        fp8_dtype,
+        quant.granularity,
     )
     experts = sum(isinstance(m, FusedMoE) for m in model.modules())
     if experts:  # visible: the experts are most of an MoE model's memory
@@ -192,12 +201,21 @@ def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None)
     # FP8 expert weights wait for their scales (they may sit in another file), then are
     # dequantized into the stacked experts
     experts: dict[str, dict[str, torch.Tensor]] = {}
+    padded = _padded_shapes(files, quant)
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if name.endswith(_SHAPE_ORIGINAL):
+                    continue  # read by _padded_shapes
                 tensor = f.get_tensor(name)
+                if name in padded:  # a block-padded FP8 weight: its true rows and columns
+                    rows, cols = padded.pop(name)
+                    tensor = tensor[:rows, :cols]
                 for target in _load_tensor(model, params, name, tensor, quant, experts):
                     loaded[target[0]].add(target[1])
+    if padded:
+        name = next(iter(padded)).removesuffix(".weight") + _SHAPE_ORIGINAL
+        raise ValueError(f"checkpoint {model_path}: {name} has no weight beside it")
     if experts:
         for base, pair in experts.items():
             if set(pair) != {"weight", "scale"}:
@@ -223,6 +241,48 @@ def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None)
     if missing:
         what = "weights or FP8 scales" if quant is not None else "weights"
         raise ValueError(f"checkpoint {model_path} lacks {what} for {missing[:5]}")
+
+
+# compressed-tensors releases that padded block-quantized weights to whole blocks saved
+# each such weight's true shape beside it (current ones store the weight truncated)
+_SHAPE_ORIGINAL = ".weight_shape_original"
+
+
+def _padded_shapes(files, quant: QuantConfig | None) -> dict[str, tuple[int, int]]:
+    """The true (rows, columns) of each "<layer>.weight" the checkpoint stores padded
+    (those with a <layer>.weight_shape_original), by weight name."""
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not name.endswith(_SHAPE_ORIGINAL):
+                    continue
+                if quant is None or (quant.method, quant.granularity) != (
+                    "compressed-tensors",
+                    "block",
+                ):
+                    raise ValueError(
+                        f"{name}: a padded weight's shape, which compressed-tensors writes "
+                        "for block-quantized weights only; this checkpoint's "
+                        "quantization_config has no block compressed-tensors scheme"
+                    )
+                shape = f.get_tensor(name)
+                if shape.dtype.is_floating_point or shape.shape != (2,) or shape.min() < 1:
+                    raise ValueError(
+                        f"{name}: {shape.tolist()} ({shape.dtype}) is not a weight's "
+                        "[rows, columns]"
+                    )
+                rows, cols = (int(v) for v in shape.tolist())
+                weight = name.removesuffix(_SHAPE_ORIGINAL) + ".weight"
+                stored = f.get_slice(weight).get_shape() if weight in f.keys() else None
+                if stored is not None and (
+                    len(stored) != 2 or stored[0] < rows or stored[1] < cols
+                ):
+                    raise ValueError(
+                        f"{name}: [{rows}, {cols}] does not fit in {weight} of shape {list(stored)}"
+                    )
+                shapes[weight] = (rows, cols)
+    return shapes
 
 
 def _expected_pieces(model, params) -> dict[str, set]:

@@ -18,6 +18,16 @@ quantized dynamically at every matmul (services/kernels/fp8.py):
   [...]}`; tensors `<name>.weight` (float8_e4m3fn) and `<name>.weight_scale` ([N, 1]
   per channel, [1] or a scalar per tensor). Anything else in that config is refused
   at start, naming the key.
+- compressed-tensors block FP8 as llm-compressor's FP8_BLOCK writes it: the same
+  config with `weights: {strategy: "block", block_structure: [128, 128], ...}` and
+  `input_activations: {strategy: "group", group_size: 128, dynamic: true, ...}`;
+  `<name>.weight_scale` holds one scale per block ([ceil(N/128), ceil(K/128)], in the
+  model's dtype, bf16 for a bf16 model). The same math as `weight_scale_inv`, so the
+  same block-scaled layers, kernels and tensor-parallel splits. Partial edge blocks
+  are stored truncated (current compressed-tensors) or, from the releases that padded
+  them, padded to whole blocks with `<name>.weight_shape_original` (the loader trims
+  them). The activation groups must be the weight's K blocks (vLLM's kernels assume
+  so too); static activation scales are refused.
 - online quantization of an unquantized checkpoint (`quantization="fp8"`,
   `--quantization fp8`): per-output-channel scales computed at load.
 
@@ -36,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kernels.fp8 import FP8_DTYPE, Fp8Format, dequantize_weight
+from services.kernels.fp8 import FP8_DTYPE, Fp8Format, dequantize_weight, is_pow2
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +55,8 @@ SUPPORTED = (
     "unquantized bfloat16 / float16 / float32 checkpoints (optionally quantized at load "
     "with --quantization fp8), fp8 with weight_block_size (block-wise, as Qwen3-*-FP8 / "
     "DeepSeek-V3 ship), and compressed-tensors float-quantized FP8 with channel or "
-    "tensor weight scales and dynamic per-token activations (llm-compressor FP8_DYNAMIC)"
+    "tensor weight scales and dynamic per-token activations (llm-compressor FP8_DYNAMIC) "
+    "or block weight scales and dynamic per-group activations (llm-compressor FP8_BLOCK)"
 )
 
 
@@ -60,6 +71,8 @@ class QuantConfig:
     scale_suffix: str = ""  # checkpoint tensor "<layer><suffix>"; "" when online
     ignore: tuple[str, ...] = ()  # module names / "re:" patterns left unquantized
     targets: tuple[str, ...] = ("Linear",)  # "Linear" (every one) or names / "re:"
+    # the config key that sets block_n x block_k (refusals name it)
+    block_key: str = "weight_block_size"
 
     @property
     def online(self) -> bool:
@@ -163,10 +176,25 @@ def quantization_of(hf_config, quantization: str | None = None) -> QuantConfig |
     )
 
 
+def _check_blocks(path: str, block) -> tuple[int, int]:
+    """[block_n, block_k] as the FP8 GEMMs take them: positive, block_k a power of two
+    of at least 16 (the GEMMs step through K in tiles inside one scale block)."""
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
+    ):
+        raise ValueError(f"quantization_config.{path} {block!r} (config.json) is not [n, k]")
+    if block[1] < 16 or not is_pow2(block[1]):
+        raise ValueError(
+            f"quantization_config.{path} {list(block)!r} (config.json) is not supported: "
+            "the FP8 GEMMs need a block k (its second entry) that is a power of two >= 16"
+        )
+    return int(block[0]), int(block[1])
+
+
 def _block_fp8(quant: dict) -> QuantConfig:
-    block = quant["weight_block_size"]
-    if len(block) != 2 or min(block) < 1:
-        raise ValueError(f"quantization_config.weight_block_size {block!r} is not [n, k]")
+    block_n, block_k = _check_blocks("weight_block_size", quant["weight_block_size"])
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
             f"quantization_config.activation_scheme {quant['activation_scheme']!r} is "
@@ -180,8 +208,8 @@ def _block_fp8(quant: dict) -> QuantConfig:
     return QuantConfig(
         method="fp8",
         granularity="block",
-        block_n=int(block[0]),
-        block_k=int(block[1]),
+        block_n=block_n,
+        block_k=block_k,
         scale_suffix=".weight_scale_inv",
         ignore=ignore,
     )
@@ -216,35 +244,66 @@ def _compressed_tensors(quant: dict) -> QuantConfig:
         refuse("config_groups", sorted(groups), "exactly one group (one scheme for every target)")
     ((name, group),) = groups.items()
     path = f"config_groups.{name}"
+    extra = sorted(k for k, v in group.items() if v is not None and k not in _CT_GROUP_KEYS)
+    if extra:
+        refuse(f"{path}.{extra[0]}", group[extra[0]], "absent")
     if group.get("format") not in (None, "float-quantized"):
         refuse(f"{path}.format", group["format"], "'float-quantized'")
     targets = group.get("targets") or []
     if not targets:
         refuse(f"{path}.targets", targets, "['Linear'] or module names / 're:' patterns")
     weights = group.get("weights") or {}
-    _expect(weights, f"{path}.weights", num_bits=8, type="float", symmetric=True, dynamic=False)
+    _check_args(weights, f"{path}.weights", dynamic=False)
     strategy = weights.get("strategy")
-    if strategy not in ("channel", "tensor"):
-        refuse(f"{path}.weights.strategy", strategy, "'channel', 'tensor'")
-    for extra in ("group_size", "block_structure", "actorder"):
-        if weights.get(extra) is not None:
-            refuse(f"{path}.weights.{extra}", weights[extra], "null")
+    if strategy not in ("channel", "tensor", "block"):
+        refuse(f"{path}.weights.strategy", strategy, "'channel', 'tensor', 'block'")
+    nulls = ("group_size", "actorder") + (() if strategy == "block" else ("block_structure",))
+    for key in nulls:
+        if weights.get(key) is not None:
+            refuse(f"{path}.weights.{key}", weights[key], "null")
     acts = group.get("input_activations")
     if acts is None:
-        refuse(f"{path}.input_activations", None, "dynamic per-token FP8 (FP8_DYNAMIC)")
-    _expect(
-        acts, f"{path}.input_activations", num_bits=8, type="float", symmetric=True, dynamic=True
-    )
-    if acts.get("strategy") != "token":
-        refuse(f"{path}.input_activations.strategy", acts.get("strategy"), "'token'")
+        refuse(
+            f"{path}.input_activations",
+            None,
+            "dynamic per-token (FP8_DYNAMIC) or per-group (FP8_BLOCK) FP8 activations",
+        )
+    acts_path = f"{path}.input_activations"
+    _check_args(acts, acts_path, dynamic=True)
+    for key in ("block_structure", "actorder"):
+        if acts.get(key) is not None:
+            refuse(f"{acts_path}.{key}", acts[key], "null")
     if group.get("output_activations") is not None:
         refuse(f"{path}.output_activations", group["output_activations"], "null")
-    return QuantConfig(
+    common = dict(
         method="compressed-tensors",
-        granularity=strategy,
         scale_suffix=".weight_scale",
         ignore=tuple(quant.get("ignore") or ()),
         targets=tuple(targets),
+    )
+    if strategy != "block":
+        if acts.get("strategy") != "token":
+            refuse(f"{acts_path}.strategy", acts.get("strategy"), "'token'")
+        if acts.get("group_size") is not None:
+            refuse(f"{acts_path}.group_size", acts["group_size"], "null")
+        return QuantConfig(granularity=strategy, **common)
+    # block weights: the activations' groups must be the blocks along K, as the kernels
+    # quantize them (per token and block_k columns)
+    block_key = f"{path}.weights.block_structure"
+    block = weights.get("block_structure")
+    if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):  # older "128x128"
+        block = [int(b) for b in block.split("x")]
+    block_n, block_k = _check_blocks(block_key, block)
+    if acts.get("strategy") != "group":
+        refuse(f"{acts_path}.strategy", acts.get("strategy"), "'group' with block weights")
+    if acts.get("group_size") != block_k:
+        refuse(
+            f"{acts_path}.group_size",
+            acts.get("group_size"),
+            f"{block_k} (the weights' block_structure along K)",
+        )
+    return QuantConfig(
+        granularity="block", block_n=block_n, block_k=block_k, block_key=block_key, **common
     )
 
 
@@ -261,6 +320,38 @@ _CT_KEYS = {
     "version",
     "provider",
 }
+
+
+# a config_groups entry (compressed-tensors' QuantizationScheme)
+_CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+# compressed-tensors' QuantizationArgs fields, with the defaults of those a saved config
+# may leave out. scale_dtype / zp_dtype describe tensors read as they are (zero points
+# exist only for asymmetric schemes, refused); observers only matter when calibrating.
+_CT_ARGS_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
+_CT_ARGS_KEYS = {
+    *_CT_ARGS_DEFAULTS,
+    "strategy",
+    "group_size",
+    "block_structure",
+    "actorder",
+    "scale_dtype",
+    "zp_dtype",
+    "observer",
+    "observer_kwargs",
+}
+
+
+def _check_args(section: dict, path: str, dynamic: bool) -> None:
+    """A QuantizationArgs section: 8-bit symmetric floats, static or dynamic as asked,
+    and no field this loader does not know."""
+    unknown = sorted(k for k, v in section.items() if v is not None and k not in _CT_ARGS_KEYS)
+    if unknown:
+        raise ValueError(
+            f"quantization_config.{path}.{unknown[0]} = {section[unknown[0]]!r} (config.json) "
+            "is not supported; supported: absent"
+        )
+    filled = {**_CT_ARGS_DEFAULTS, **{k: v for k, v in section.items() if v is not None}}
+    _expect(filled, path, num_bits=8, type="float", symmetric=True, dynamic=dynamic)
 
 
 def _expect(section: dict, path: str, **want) -> None:

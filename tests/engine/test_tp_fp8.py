@@ -8,17 +8,19 @@ from __future__ import annotations
 import pytest
 
 from services.engine import LLM, SamplingParams
+from tests.engine.fp8_helpers import (
+    BLOCK,
+    PROJECTIONS,
+    fake_quant_activations,
+    is_proj,
+    prompts,
+    quantize_block,
+    random_llama,
+    write_checkpoints,
+)
 from tests.engine.helpers import assert_all_blocks_free, hf_greedy, hf_load, hf_logprobs
 from tests.engine.test_fp8_checkpoints import (
-    BLOCK,
     CT_IGNORED,
-    PROJECTIONS,
-    _fake_quant_activations,
-    _is_proj,
-    _prompts,
-    _quantize_block,
-    _random_llama,
-    _write,
     block_fp8,  # noqa: F401 - fixtures
     compressed_tensors,  # noqa: F401
     unquantized,  # noqa: F401
@@ -30,11 +32,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True
 @pytest.fixture(scope="module")
 def aligned_block_fp8(tmp_path_factory):
     # every TP=2 split falls on a 128 block: q / kv rows 128, MLP width 256 per rank
-    config, model = _random_llama(hidden=256, heads=2, kv_heads=2, head_dim=128, inter=512)
+    config, model = random_llama(hidden=256, heads=2, kv_heads=2, head_dim=128, inter=512)
     tensors, deq = {}, {}
     for name, value in model.state_dict().items():
-        if _is_proj(name):
-            q, scale, d = _quantize_block(value)
+        if is_proj(name):
+            q, scale, d = quantize_block(value)
             tensors[name] = q
             tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
             deq[name] = d
@@ -46,12 +48,12 @@ def aligned_block_fp8(tmp_path_factory):
         "fmt": "e4m3",
         "weight_block_size": [BLOCK, BLOCK],
     }
-    return _write(tmp_path_factory.mktemp("aligned"), config, model, tensors, deq, qconf)
+    return write_checkpoints(tmp_path_factory.mktemp("aligned"), config, model, tensors, deq, qconf)
 
 
 def _run(path, tp, **extra):
     with LLM(str(path), tensor_parallel_size=tp, **extra) as llm:
-        outs = llm.generate(_prompts(), PARAMS)
+        outs = llm.generate(prompts(), PARAMS)
         assert_all_blocks_free(llm)
     return outs
 
@@ -80,9 +82,9 @@ def _emulated_tp2(reference, skip=()):
     for leaf in ("o_proj", "down_proj"):
         half = next(m for n, m in hf.named_modules() if n.endswith(leaf)).in_features // 2
         others = [n for n in names if not n.endswith(leaf)] + list(skip)
-        _fake_quant_activations(hf, half, others)
+        fake_quant_activations(hf, half, others)
     row = [n for n in names if n.endswith(("o_proj", "down_proj"))]
-    return _fake_quant_activations(hf, None, row + list(skip))
+    return fake_quant_activations(hf, None, row + list(skip))
 
 
 def test_per_channel_fp8_tp2_equals_its_emulation(compressed_tensors, unquantized):  # noqa: F811
@@ -94,7 +96,7 @@ def test_per_channel_fp8_tp2_equals_its_emulation(compressed_tensors, unquantize
     for path, reference, extra, skip in cases:
         outs = _run(path, 2, **extra)
         emulated = _emulated_tp2(reference, skip)
-        for prompt, out in zip(_prompts(), outs):
+        for prompt, out in zip(prompts(), outs):
             tokens = out.output.token_ids
             assert tokens == hf_greedy(emulated, prompt, len(tokens), ignore_eos=True)
             ref_lp = hf_logprobs(emulated, prompt + tokens[:-1])[len(prompt) - 1 :]

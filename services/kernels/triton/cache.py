@@ -5,10 +5,13 @@ Every tensor is addressed through its strides, so the caches may be the per-laye
 strided views of the engine's block-major [num_blocks, layers, 2, bs, Hk, D] tensor
 and k / v may be column slices of a fused qkv output. Slots < 0 are skipped (padding).
 
-FP8 caches (float8_e4m3fn) store x / scale, saturated to +-448 and rounded to nearest
-even, exactly as the torch reference does (services/kernels/interface.py)."""
+FP8 caches (float8_e4m3fn; float8_e4m3fnuz on MI300) store x / scale, saturated to the
+type's max (448; 240) and rounded to nearest even, exactly as the torch reference does
+(services/kernels/interface.py). The interpreter runs fn caches only."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -24,17 +27,19 @@ from services.kernels.triton._launch import (
 
 
 @triton.jit
-def _round_to_fp8_e4m3(x, scale):
-    """x / scale saturated to +-448 and rounded to the nearest e4m3 value (ties to even),
+def _round_to_fp8_e4m3(x, scale, TOP: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x / scale saturated to +-TOP and rounded to the nearest e4m3 value (ties to even),
     still in fp32, so the cast to fp8 that follows is exact. The rounding is done here,
     not by the cast, because Triton's interpreter (the CPU tests) drops the carry when a
-    mantissa rounds up (-125.3 became -64); one code path for GPU and tests."""
+    mantissa rounds up (-125.3 became -64); one code path for GPU and tests. fn: TOP 448,
+    normals from 2^-6; fnuz: TOP 240, normals from 2^-7."""
     y = tl.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's: the same ties
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.minimum(tl.maximum(y, -TOP), TOP)
     a = tl.abs(y)
-    # e4m3 keeps 3 mantissa bits above 2^-6 and a fixed step of 2^-9 below it (subnormals)
+    # e4m3 keeps 3 mantissa bits above 2^MIN_EXP and a fixed step of 2^(MIN_EXP - 3)
+    # below it (subnormals)
     e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6) - 3  # log2 of the spacing of e4m3 values around a
+    e = tl.maximum(e, MIN_EXP) - 3  # log2 of the spacing of e4m3 values around a
     step = ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     inv_step = ((127 - e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     t = a * inv_step  # exact (a power of two), in [0, 16)
@@ -75,6 +80,8 @@ def _store_kv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_HD: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_TOP: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tokens
@@ -92,7 +99,7 @@ def _store_kv_kernel(
         k_ptr + t64 * stride_kt + head[None, :] * stride_kh + dim[None, :] * stride_kd, mask=mask
     )
     if FP8:
-        k = _round_to_fp8_e4m3(k, k_scale)
+        k = _round_to_fp8_e4m3(k, k_scale, FP8_TOP, FP8_MIN_EXP)
     kc = (blk * stride_kc_b + off * stride_kc_s)[:, None]
     kc += head[None, :] * stride_kc_h + dim[None, :] * stride_kc_d
     tl.store(k_cache_ptr + kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -101,7 +108,7 @@ def _store_kv_kernel(
         v_ptr + t64 * stride_vt + head[None, :] * stride_vh + dim[None, :] * stride_vd, mask=mask
     )
     if FP8:
-        v = _round_to_fp8_e4m3(v, v_scale)
+        v = _round_to_fp8_e4m3(v, v_scale, FP8_TOP, FP8_MIN_EXP)
     vc = (blk * stride_vc_b + off * stride_vc_s)[:, None]
     vc += head[None, :] * stride_vc_h + dim[None, :] * stride_vc_d
     tl.store(v_cache_ptr + vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -117,6 +124,9 @@ def store_kv_cache(
     v_scale: float | None = None,
 ) -> None:
     fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
+    # e4m3's range and smallest normal exponent: fn 448 / -6, fnuz 240 / -7
+    info = torch.finfo(k_cache.dtype if fp8 else torch.float8_e4m3fn)
+    fp8_top, fp8_min_exp = info.max, int(math.log2(info.smallest_normal))
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
@@ -152,5 +162,7 @@ def store_kv_cache(
         BLOCK_T=block_t,
         BLOCK_HD=block_hd,
         FP8=fp8,
+        FP8_TOP=fp8_top,
+        FP8_MIN_EXP=fp8_min_exp,
         num_warps=4,
     )

@@ -2,8 +2,9 @@
 linear layer (services/kernels/fp8.py says what the formats mean).
 
 Two kernels:
-- `quantize_activation`: x [M, K] -> float8_e4m3fn [M, K] and fp32 scales [M, G], one
-  symmetric scale (amax / 448) per token and group of GROUP columns: 128-column groups
+- `quantize_activation`: x [M, K] -> FP8 [M, K] (the weight's e4m3 type: fn, or fnuz
+  on MI300) and fp32 scales [M, G], one symmetric scale (amax / the type's max: 448,
+  240 for fnuz) per token and group of GROUP columns: 128-column groups
   for block weights (DeepSeek-V3's and vLLM's w8a8 block-FP8 activation scheme), the
   whole row for channel / tensor weights. Grid (M, G); a program walks its group in
   chunks twice (amax, then quantize), so any K fits in registers.
@@ -17,7 +18,8 @@ Two kernels:
 
 Both are plain launches with shape-only sizes (no host syncs, no atomics): safe to
 capture in CUDA graphs. Runs under TRITON_INTERPRET=1 on a CPU (the interpreter handles
-float8_e4m3fn loads, stores and dots), which is how the CPU tests run it. Launch
+float8_e4m3fn loads, stores and dots, not fnuz ones), which is how the CPU tests run it.
+Launch
 settings are a first guess after vLLM's untuned default for block FP8 (64 x 128 x 128
 tiles), not tuned on the H200 yet."""
 
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Format
+from services.kernels.fp8 import FP8_DTYPE, Fp8Format, fp8_max
 from services.kernels.triton._launch import check_device, is_interpreted, next_pow2
 
 _MIN_AMAX = 1e-12
@@ -83,14 +85,16 @@ def _quant_act_kernel(
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_activation(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit stride along K) -> (float8_e4m3fn [M, K], fp32 [M, ceil(K / group)])."""
+def quantize_activation(
+    x: torch.Tensor, group: int, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride along K) -> (FP8 `dtype` [M, K], fp32 [M, ceil(K / group)])."""
     check_device(_quant_act_kernel, x)
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
@@ -105,7 +109,7 @@ def quantize_activation(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
         s.stride(0),
         GROUP=group,
         CHUNK=chunk,
-        FP8_MAX_=FP8_MAX,
+        FP8_MAX_=fp8_max(dtype),
         MIN_AMAX=_MIN_AMAX,
         ROUND_IN_FP32=is_interpreted(_quant_act_kernel),
     )
@@ -208,8 +212,8 @@ def fp8_gemm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """xq [M, K] float8_e4m3fn with x_scale [M, G] (G = ceil(K / fmt.act_group(K))),
-    weight [N, K] float8_e4m3fn with weight_scale as fmt says -> [M, N] in out_dtype."""
+    """xq [M, K] FP8 with x_scale [M, G] (G = ceil(K / fmt.act_group(K))), weight
+    [N, K] in the same FP8 type with weight_scale as fmt says -> [M, N] in out_dtype."""
     check_device(_fp8_gemm_kernel, xq, weight)
     m, k = xq.shape
     n = weight.shape[0]
@@ -267,8 +271,8 @@ def fp8_linear(x: torch.Tensor, layer) -> torch.Tensor:
     fmt = layer.fp8_format
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    xq, xs = quantize_activation(x2, fmt.act_group(k))
     weight = layer.weight
+    xq, xs = quantize_activation(x2, fmt.act_group(k), weight.dtype)
     if weight.stride(1) != 1:
         raise ValueError("the triton FP8 GEMM needs an FP8 weight with unit stride along K")
     out = fp8_gemm(xq, xs, weight, layer.weight_scale, fmt, layer.bias, x.dtype)
