@@ -18,13 +18,16 @@ MAX_NAME_CHARS = 1024  # model, user, safety_identifier: names, logged with the 
 _TOOLS_HINT = 'tools: [{"type": "function", "function": {"name": ..., "parameters": {...}}}]'
 # Parameters we do not implement: a non-default value is an error rather than silence.
 UNSUPPORTED = {
+    # Legacy function calling is refused rather than mapped onto tools: its answers take
+    # another shape (message.function_call, finish_reason "function_call", role
+    # "function" messages), which we do not produce. (vLLM's request model has neither
+    # field: it accepts both and ignores them, which is what this rule forbids.)
     "functions": (
-        "'functions' is OpenAI's deprecated form of tools and is not supported (vLLM "
-        f"refuses it too): send {_TOOLS_HINT}"
+        f"'functions' is OpenAI's deprecated form of tools and is not supported: send {_TOOLS_HINT}"
     ),
     "function_call": (
-        "'function_call' is OpenAI's deprecated form of tool_choice and is not supported "
-        "(vLLM refuses it too): send tool_choice: 'none', 'auto', 'required' or "
+        "'function_call' is OpenAI's deprecated form of tool_choice and is not supported: "
+        "send tool_choice: 'none', 'auto', 'required' or "
         '{"type": "function", "function": {"name": ...}}, with the functions in tools'
     ),
     "suffix": "suffix is not supported",

@@ -183,24 +183,27 @@ class HermesStream(TaggedStream):
 
 
 class MistralStream(TaggedStream):
-    """Mistral's `[TOOL_CALLS]` blocks, in either form its tokenizers write:
-    `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3: a JSON list of calls, or
-    one call object) and `[TOOL_CALLS]name[ARGS]{...}` (v11 and later: one call per
-    block). A block ends where the next one starts, or with the output. Call ids are 9
-    letters and digits: Mistral's chat templates refuse any other id when the calls come
-    back in the history. [TOOL_CALLS] is a special token: the output must keep special
-    tokens (skip_special_tokens false) for the calls to be found."""
+    """Mistral's `[TOOL_CALLS]` blocks, in each form its tokenizers write:
+    `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...]` (v3: a JSON list of
+    calls, or one call object; "id" optional), `[TOOL_CALLS]name[ARGS]{...}` (v11 and
+    later: one call per block) and `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (the same
+    with the call's id, as v13 tokenizers write it: Magistral, Mistral Small 3.2,
+    Devstral). A block ends where the next one starts, or with the output. A call keeps
+    the id the model wrote; one without (or with an id it already used in this output)
+    gets 9 letters and digits: Mistral's chat templates refuse any other id when the
+    calls come back in the history. [TOOL_CALLS] is a special token: the output must
+    keep special tokens (skip_special_tokens false) for the calls to be found."""
 
     START, END = "[TOOL_CALLS]", None
-    ARGS = "[ARGS]"
+    ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
 
     def _calls_in(self, body: str) -> list[ToolCall] | None:
-        name, args_tag, args = body.partition(self.ARGS)
-        if args_tag:  # name[ARGS]{...}
-            name = name.strip()
-            if not name or any(c.isspace() for c in name):
+        head, args_tag, args = body.partition(self.ARGS)
+        if args_tag:  # name[ARGS]{...} or name[CALL_ID]id[ARGS]{...}
+            name, _, call_id = (s.strip() for s in head.partition(self.CALL_ID))
+            if not name or any(c.isspace() or c == "[" for c in name):
                 return None
-            found = [{"name": name, "arguments": _loads(args)}]
+            found = [{"name": name, "arguments": _loads(args), "id": call_id}]
         else:  # [{...}, ...] or {...}
             found = _loads(body)
             found = [found] if isinstance(found, dict) else found
@@ -209,8 +212,12 @@ class MistralStream(TaggedStream):
         calls = [_call_from(obj, ("arguments",)) for obj in found]
         if not calls or None in calls:
             return None
-        for call in calls:
-            call.id = mistral_call_id()
+        used = {call.id for call in self.calls}
+        for obj, call in zip(found, calls):
+            given = obj.get("id")
+            ok = isinstance(given, str) and given and not any(c.isspace() for c in given)
+            call.id = given if ok and given not in used else mistral_call_id()
+            used.add(call.id)
         return calls
 
 

@@ -69,10 +69,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_params_from_pb(request.sampling_params)
-        peer = self._admissible(rid, prompt, params, request)
+        peer = self._admissible(rid, prompt, request)
+        # in flight from here: a duplicate id is refused and Abort finds the call, also
+        # while its grammar compiles
         done = asyncio.Event()
         self._inflight[rid] = (asyncio.current_task(), done)
         try:
+            await self._validate(prompt, params)
             first, first_lp, prompt_lps, stats, prefill_s = await self._prefill_and_push(
                 rid, prompt, params, peer, list(request.block_ids), request.num_cached_tokens
             )
@@ -99,8 +102,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         return resp
 
-    def _admissible(self, rid, prompt, params, request) -> KVAgentInfo:
-        """Checks a Prefill call before anything is allocated; returns the peer."""
+    def _admissible(self, rid, prompt, request) -> KVAgentInfo:
+        """Checks a Prefill call before anything is allocated (but the sampling
+        parameters: _validate); returns the peer."""
         engine = self.ctx.engine
         if not rid:
             raise ValueError("request_id is required")
@@ -118,7 +122,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"unknown decode session {request.decode_session_id!r}: call Handshake first"
             )
         engine.tokenize(prompt)
-        engine.validate(prompt, params)  # max_tokens is the decode worker's concern
         block_size = self.ctx.engine_config.block_size
         if len(request.block_ids) != -(-len(prompt) // block_size):
             raise ValueError(
@@ -126,6 +129,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"(block size {block_size})"
             )
         return peer
+
+    async def _validate(self, prompt, params) -> None:
+        """ValueError (INVALID_ARGUMENT) for a request the engine cannot run; max_tokens
+        is the decode worker's concern."""
+        engine = self.ctx.engine
+        if params.structured_output is None:
+            engine.validate(prompt, params)
+        else:  # compiling its grammar can take seconds: not on the loop every call uses
+            await asyncio.to_thread(engine.validate, prompt, params)
 
     async def _prefill_and_push(self, rid, prompt, params, peer, block_ids, num_cached_tokens):
         """Computes the prompt, writes the blocks the decode worker lacks, frees ours

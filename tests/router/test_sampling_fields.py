@@ -19,6 +19,8 @@ import torch
 from router.config import RouterConfig
 from tests.engine.helpers import hf_load, hf_logprobs
 from tests.router.helpers import RouterThread, http
+from tests.router.walk_structured import REFUSED_VALUES as REFUSED_STRUCTURED
+from tests.router.walk_structured import structured_probes
 
 SERVED = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -222,15 +224,13 @@ VLLM_CHAT = [
     "reasoning_effort", "return_prompt_text", "parallel_tool_calls", "best_of",
 ]  # fmt: skip
 VLLM_COMPLETION = ["prompt_embeds", "echo"]
-# owned by work in flight (structured outputs, tools, chat templates, reasoning): a 200
-# (honoured there) or a 400 naming the field
+# owned by work in flight (tools, chat templates, reasoning): a 200 (honoured there) or
+# a 400 naming the field. The structured-output fields have probes (walk_structured.py);
+# the legacy functions / function_call must be a 400.
 OTHERS = {
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structural_tag", "guided_decoding_backend",
-    "guided_whitespace_pattern", "chat_template_kwargs", "add_generation_prompt",
-    "continue_final_message", "reasoning_effort", "include_reasoning",
-    "thinking_token_budget",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "reasoning_effort",
+    "include_reasoning", "thinking_token_budget",
 }  # fmt: skip
 # the fields every request carries
 BASE = {"model", "messages", "prompt"}
@@ -350,6 +350,7 @@ def _probes(kind: str, tok, ref: dict) -> dict:
         ),
         "user": ({"user": "walker-7"}, "log"),
         "safety_identifier": ({"safety_identifier": "walker-8"}, "log"),
+        **structured_probes(t),
     }
 
 
@@ -365,6 +366,9 @@ REFUSED_VALUES = {
     "echo": True,  # chat only: completions honour it
     "stream_interval": 2,
     "return_token_ids": True,
+    "functions": [{"name": "get_time", "parameters": {"type": "object"}}],
+    "function_call": {"name": "get_time"},
+    **REFUSED_STRUCTURED,
 }
 
 
@@ -425,6 +429,10 @@ def test_field_walk(kind, routers, colocated, caplog):
     texts = [_text(_post(router, kind, {**kw, "seed": s}).json(), kind) for s in (7, 7, 8)]
     assert texts[0] == texts[1] != texts[2]
     assert "not_a_real_field" in refused and "priority" in refused
+    assert {"response_format", "guided_json", "guided_choice", "structured_outputs"} <= set(
+        honoured
+    )
+    assert kind != "chat" or {"functions", "function_call"} <= set(refused)
     print(f"{kind}: honoured {sorted(honoured)}; refused {sorted(refused)}")
 
 
