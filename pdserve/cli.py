@@ -39,7 +39,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size in GiB (default: 1 on CPU; on GPU 90%% of the memory left "
+        "after the weights, less 2 GiB)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -63,6 +69,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="largest decode batch run as a CUDA graph (vLLM's name); larger batches run "
         "eager (default 256)",
+    )
+    p.add_argument(
+        "--max-cudagraph-mixed-tokens",
+        type=int,
+        default=None,
+        help="steps mixing prefill chunks and decode rows run as CUDA graphs up to this "
+        "many tokens (default: 2 x --max-num-seqs, at least 512; 0: eager)",
     )
     p.add_argument(
         "--scheduling-policy",
@@ -114,6 +127,11 @@ def engine_config_from_args(args, role: str):
             {}
             if args.max_cudagraph_capture_size is None
             else {"cuda_graph_max_batch": args.max_cudagraph_capture_size}
+        ),
+        **(
+            {}
+            if args.max_cudagraph_mixed_tokens is None
+            else {"cuda_graph_mixed_max_tokens": args.max_cudagraph_mixed_tokens}
         ),
         async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size,

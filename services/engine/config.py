@@ -35,7 +35,9 @@ class EngineConfig:
     kernel_choices: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # None: 1 GiB on a CPU; on a GPU 90% of the memory left after the weights, less 2 GiB
+    # of headroom for activations and graphs
+    kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -44,6 +46,10 @@ class EngineConfig:
     # CUDA graphs for decode steps (GPU, triton/aiter kernels); True: always eager
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # mixed steps (prefill chunks next to decode rows) of up to this many tokens run as
+    # CUDA graphs too (mixed_graph.py); 0: they run eagerly; None: room for every
+    # sequence's decode row plus as many prompt tokens, at least 512
+    cuda_graph_mixed_max_tokens: int | None = None
     # Schedule and launch decode step N+1 while step N runs, feeding it N's tokens on
     # the device (batches without logprobs, penalties or min_tokens masking). None: on
     # for CUDA, off on CPU, where nothing overlaps.
@@ -83,7 +89,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
@@ -95,6 +101,11 @@ class EngineConfig:
             )
         if self.cuda_graph_max_batch < 1:
             raise ValueError("cuda_graph_max_batch (--max-cudagraph-capture-size) must be positive")
+        if self.cuda_graph_mixed_max_tokens is not None and self.cuda_graph_mixed_max_tokens < 0:
+            raise ValueError(
+                "cuda_graph_mixed_max_tokens (--max-cudagraph-mixed-tokens) must be >= 0, "
+                f"got {self.cuda_graph_mixed_max_tokens}"
+            )
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(
             self.tensor_parallel_size, int
         ):
@@ -112,6 +123,14 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def mixed_graph_max_tokens(self) -> int:
+        """The largest mixed step captured as a CUDA graph (0: none)."""
+        limit = self.cuda_graph_mixed_max_tokens
+        if limit is None:
+            limit = max(512, 2 * self.max_num_seqs)
+        return min(limit, self.max_num_batched_tokens)
 
     @property
     def kernel_backend_name(self) -> str:

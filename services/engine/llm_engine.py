@@ -52,7 +52,8 @@ class KVReservation:
 
 @dataclass
 class _StepInFlight:
-    """A decode step launched on the device whose sampled tokens are not read yet."""
+    """A step launched on the device whose sampled tokens are not read yet: decode rows
+    and, with prompts admitted while a step was in flight, their first tokens."""
 
     seqs: list[Sequence]
     tokens: DeviceTokens
@@ -102,6 +103,9 @@ class LLMEngine:
         # async scheduling: prefill workers never decode, so they never pipeline
         self._async = config.async_scheduling_enabled and config.role != "prefill"
         self._in_flight: _StepInFlight | None = None
+        # steps that admitted new prompts next to decode rows without waiting for the
+        # step before (their count shows the pipeline holds under steady arrivals)
+        self.num_pipelined_mixed_steps = 0
 
     def _set_up_kv(self, phases: StartupPhases, max_model_len: int) -> None:
         config = self.config
@@ -331,8 +335,38 @@ class LLMEngine:
                 return False
             return seq.num_tokens + 1 < self.max_model_len
 
+        if self.scheduler.waiting:
+            return self._launch_mixed(done, goes_on)
         seqs = self.scheduler.schedule_next_decode(done.seqs, goes_on)
         return self._launch(seqs, done) if seqs else None
+
+    def _launch_mixed(self, done: _StepInFlight, goes_on) -> _StepInFlight | None:
+        """Admit waiting prompts next to the decode rows of the step after `done`, still
+        without reading its tokens: prompts whose next token is sampled on the device
+        and that fit whole (prompt logprobs, structured outputs and chunked prompts go
+        through a synchronous step). Tensor-parallel ranks take the synchronous step
+        too: they have no copy of the tokens in flight."""
+        if self.runner.tp.size > 1:
+            return None
+        plan = self.scheduler.schedule_next_mixed(
+            done.seqs, goes_on, self._admits_pipelined, self.runner.mixed_step_max_tokens
+        )
+        if plan is None:
+            return None
+        seqs, admitted = plan
+        sampled = seqs + [item.seq for item in admitted]
+        sampling = [self._sampling_request(seq) for seq in sampled]
+        rows = [done.rows[id(seq)] for seq in seqs]
+        tokens = self.runner.mixed_on_device(seqs, admitted, sampling, done.tokens.tokens, rows)
+        for seq in seqs:
+            self.scheduler.postprocess(seq, 1, seq.num_tokens)
+        for item in admitted:
+            self.scheduler.postprocess(item.seq, item.num_new_tokens, item.seq.num_tokens)
+        self.num_pipelined_mixed_steps += 1
+        return _StepInFlight(sampled, tokens)
+
+    def _admits_pipelined(self, seq: Sequence) -> bool:
+        return not seq.needs_prompt_logprobs and self._sampled_on_device(seq, 0)
 
     def _read_tokens(self, done: _StepInFlight) -> list[RequestOutput]:
         outputs = []

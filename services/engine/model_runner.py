@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
+from services.engine.mixed_graph import MixedGraphs, mixed_capture_sizes
 from services.engine.sampler import (
     DeviceTokens,
     Sampler,
@@ -33,7 +34,7 @@ from services.engine.scheduler import ScheduledSeq
 from services.engine.startup import StartupPhases
 from services.engine.tp_ranks import TPRanks
 from services.kernels import AttentionMetadata, get_backend
-from services.kernels.interface import FP8_KV_DTYPE
+from services.kernels.fp8 import FP8_FNUZ_DTYPE, platform_fp8_dtype
 from services.kernels.shape_classes import KernelShapes, weight_quant_tag
 from services.models.loader import load_model
 from services.models.quantization import quantization_of
@@ -141,13 +142,15 @@ class ModelRunner:
                 tp=self.tp,
             )
         attn = self.model.attention_layers()[0]
+        # MI300 (gfx94x) stores e4m3fnuz, whose bits mean half an e4m3fn value
+        self.kv_fp8_dtype = platform_fp8_dtype(self.device)
         k_scales, v_scales = self._kv_scales()
         self.kv_spec = KVCacheSpec(
             num_layers=len(self.model.attention_layers()),
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
             block_size=config.block_size,
-            dtype=FP8_KV_DTYPE if config.kv_cache_fp8 else self.dtype,
+            dtype=self.kv_fp8_dtype if config.kv_cache_fp8 else self.dtype,
             k_scales=k_scales,
             v_scales=v_scales,
             tp_size=self.tp.size,
@@ -157,6 +160,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self.graph_runner: CUDAGraphRunner | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     def _kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Settle each attention layer's k_scale / v_scale: the checkpoint's (the loader
@@ -173,9 +177,12 @@ class ModelRunner:
             for a in layers:
                 a.k_scale = a.v_scale = None
             return (), ()
+        # fnuz holds half the range: the same scale would clip at 240 instead of 448,
+        # so the scales double (vLLM does the same)
+        factor = 2.0 if self.kv_fp8_dtype == FP8_FNUZ_DTYPE else 1.0
         for a in layers:
-            a.k_scale = 1.0 if a.k_scale is None else a.k_scale
-            a.v_scale = 1.0 if a.v_scale is None else a.v_scale
+            a.k_scale = factor * (1.0 if a.k_scale is None else a.k_scale)
+            a.v_scale = factor * (1.0 if a.v_scale is None else a.v_scale)
         return tuple(a.k_scale for a in layers), tuple(a.v_scale for a in layers)
 
     # -- set-up (every rank) ------------------------------------------------------------
@@ -186,14 +193,24 @@ class ModelRunner:
             self.ranks.call(method, *args)
 
     def kv_memory_budget(self) -> int:
-        """Bytes this rank can give its KV cache: a GPU's free memory less headroom
-        for activations, or kv_cache_memory_gb on CPU. Rank 0 returns the smallest
-        over the ranks (they hold equal shares, so the smallest rank decides)."""
+        """Bytes this rank gives its KV cache: kv_cache_memory_gb when set (on a GPU at
+        most what is free less headroom for activations: more is a ValueError naming
+        the flag), else 1 GiB on a CPU and that free share on a GPU. Rank 0 returns
+        the smallest over the ranks (they hold equal shares, so the smallest decides)."""
+        asked = self.config.kv_cache_memory_gb
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int((free - (2 << 30)) * 0.9)
+            if asked is not None:
+                if asked * (1 << 30) > budget:
+                    raise ValueError(
+                        f"kv_cache_memory_gb {asked} (--kv-cache-memory-gb) is more than "
+                        f"{self.device} has free for the KV cache "
+                        f"({max(budget, 0) / (1 << 30):.1f} GiB after the weights and headroom)"
+                    )
+                budget = int(asked * (1 << 30))
         else:
-            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+            budget = int((1.0 if asked is None else asked) * (1 << 30))
         if self.ranks is not None:
             budget = min([budget, *self.ranks.gather("kv_memory_budget")])
         return budget
@@ -218,8 +235,34 @@ class ModelRunner:
             block_size=c.block_size,
             device=self.device,
         )
+        self.mixed_graphs = self._mixed_graphs(max_model_len)
         with _on_device(self.device):
+            # mixed steps first: their activations are the largest, and the decode
+            # graphs then fit in the same memory pool
+            pool = self.mixed_graphs.capture() if self.mixed_graphs is not None else None
+            self.graph_runner.pool = pool
             self.graph_runner.capture()
+
+    def _mixed_graphs(self, max_model_len: int) -> MixedGraphs | None:
+        c = self.config
+        max_tokens = c.mixed_graph_max_tokens
+        sizes = mixed_capture_sizes(max_tokens)
+        if not sizes:
+            return None
+        check = getattr(self.ops, "mixed_graph_blocker", None)
+        reason = f"the {self.ops.name} backend" if check is None else check(sizes)
+        if reason is not None:
+            log.warning("mixed prefill/decode steps run eagerly: %s", reason)
+            return None
+        return MixedGraphs(
+            self.model,
+            self.ops,
+            max_tokens=max_tokens,
+            max_seqs=c.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=c.block_size,
+            device=self.device,
+        )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._mirror("allocate_kv_cache", num_blocks)
@@ -260,6 +303,11 @@ class ModelRunner:
                 self._mirror("run_graph", ids, *rows)
                 return self.sampler(self.run_graph(ids, *rows), sampling)
             step = self._prepare(batch)
+            size = self._mixed_bucket(step)
+            if size is not None:
+                self._mirror("run_mixed_graph", step, size)
+                logits = self.run_mixed_graph(step, size)
+                return self.sampler(logits, sampling) if step.logits_rows else None
             self._mirror("forward", step)
             prompt_logits, logits = self.forward(step)
             prompt_lps = self._prompt_logprobs(batch, prompt_logits)
@@ -270,13 +318,19 @@ class ModelRunner:
             return out
 
     @torch.inference_mode()
-    def forward(self, step: StepInput):
+    def forward(self, step: StepInput, device_input=None):
         """The model over one step: (logits of each prompt_rows range, logits of
-        logits_rows or None). Every rank calls it with the same step."""
+        logits_rows or None). Every rank calls it with the same step. device_input =
+        (tokens, (rows, sources)): input row rows[i] is tokens[sources[i]], a token
+        sampled by the step before, not on the host yet (rank 0 only)."""
         with _on_device(self.device):
             dev = self.device
             meta = self._metadata(step.slots, step.cu_seqlens, step.seq_lens, step.block_tables)
             ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
+            if device_input is not None:
+                tokens, (rows, sources) = device_input
+                src = torch.tensor(sources, dtype=torch.int64, device=dev)
+                ids[torch.tensor(rows, dtype=torch.int64, device=dev)] = tokens[src]
             pos = torch.tensor(step.positions, dtype=torch.int64, device=dev)
             self.ops.prepare_attention(meta)
             hidden = self.model(ids, pos, meta)
@@ -290,6 +344,64 @@ class ModelRunner:
     def run_graph(self, ids, pos, slots, lens, tables, device_input=None) -> torch.Tensor:
         with _on_device(self.device):
             return self.graph_runner.run(ids, pos, slots, lens, tables, device_input)
+
+    @property
+    def mixed_step_max_tokens(self) -> int:
+        """The most tokens a step admitting prompts next to decode rows should hold:
+        the largest captured mixed step where there are graphs."""
+        if self.mixed_graphs is not None:
+            return self.mixed_graphs.sizes[-1]
+        return self.config.max_num_batched_tokens
+
+    @torch.inference_mode()
+    def mixed_on_device(
+        self,
+        seqs: list,
+        admitted: list[ScheduledSeq],
+        sampling: list[SamplingRequest],
+        prev_tokens: torch.Tensor,
+        prev_rows: list[int],
+    ) -> DeviceTokens:
+        """One step of decode rows (as decode_on_device: each input token is
+        prev_tokens[prev_rows[i]]) followed by whole prompts that complete here; the
+        samples (one per decode row, then one per prompt) stay on the device. Rank 0
+        only (the engine keeps tensor parallelism on synchronous steps)."""
+        pos, slots, lens, tables = self._decode_rows(seqs)
+        n = len(seqs)
+        chunk = self._prepare(admitted)
+        step = StepInput(
+            [0] * n + chunk.input_ids,
+            pos + chunk.positions,
+            slots + chunk.slots,
+            list(range(n + 1)) + [n + c for c in chunk.cu_seqlens[1:]],
+            lens + chunk.seq_lens,
+            tables + chunk.block_tables,
+            list(range(n)) + [n + r for r in chunk.logits_rows],
+            [],
+        )
+        device_input = (prev_tokens, (list(range(n)), prev_rows))
+        with _on_device(self.device):
+            size = self._mixed_bucket(step)
+            if size is not None:
+                logits = self.mixed_graphs.run(step, size, device_input)
+            else:
+                logits = self.forward(step, device_input)[1]
+            return DeviceTokens(self.sampler.sample(logits, sampling))
+
+    @torch.inference_mode()
+    def run_mixed_graph(self, step: StepInput, size: int) -> torch.Tensor:
+        """The logits of step.logits_rows, from the captured mixed step of `size`
+        tokens (every rank)."""
+        with _on_device(self.device):
+            return self.mixed_graphs.run(step, size)
+
+    def _mixed_bucket(self, step: StepInput) -> int | None:
+        """The captured mixed-step bucket for this step, or None: eager (no mixed
+        graphs, too many tokens or sequences, or prompt logprobs, which need every
+        prompt row's logits)."""
+        if self.mixed_graphs is None or step.prompt_rows:
+            return None
+        return self.mixed_graphs.bucket(len(step.input_ids), len(step.seq_lens))
 
     def _prompt_logprobs(self, batch, logits: list) -> dict[str, list]:
         out = {}

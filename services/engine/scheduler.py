@@ -146,6 +146,43 @@ class Scheduler:
                 return None  # blocks taken so far serve these sequences' next steps
         return seqs
 
+    def schedule_next_mixed(
+        self, in_flight: list[Sequence], keep, admit, max_tokens: int
+    ) -> tuple[list[Sequence], list[ScheduledSeq]] | None:
+        """Async scheduling with sequences waiting: the running sequences as in
+        schedule_next_decode, plus waiting ones, in order while admit(seq) holds, whose
+        whole remaining prompt fits in what max_tokens leaves (a chunked prompt goes
+        through schedule()). None when nothing can be admitted this way: the caller
+        then finishes the step in flight and calls schedule()."""
+        members = {id(seq) for seq in in_flight}
+        if any(id(seq) not in members for seq in self.running):
+            return None
+        seqs = [seq for seq in self.running if keep(seq)]
+        budget = min(max_tokens, self.max_num_batched_tokens) - len(seqs)
+        if budget <= 0:
+            return None
+        bm = self.block_manager
+        for seq in seqs:
+            if not bm.allocate(seq, seq.num_computed_tokens + 1):
+                return None
+        admitted: list[ScheduledSeq] = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not admit(seq):
+                break
+            if not seq.block_table:
+                bm.allocate_prefix(seq, bm.find_cached_prefix(seq))
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget or not bm.allocate(seq, seq.num_tokens):
+                bm.free(seq)  # prefix hits go back; schedule() takes it later
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return (seqs, admitted) if admitted else None
+
     # -- after a step: the scheduler owns every count and block (nano-vllm's postprocess)
 
     def postprocess(self, seq: Sequence, num_new_tokens: int, num_known_tokens: int) -> None:

@@ -138,3 +138,15 @@ class KernelBackend(Protocol):
         sum over the chosen experts e of weight_e * (silu(x W_gate_e^T) * (x W_up_e^T)) W2_e^T.
         No host synchronisation on CUDA (decode steps are captured in CUDA graphs)."""
         ...
+
+
+def mixes_decode_rows(metadata: AttentionMetadata) -> bool:
+    """Whether a batch may hold one-query (decode) rows beside longer ones: known from
+    the host lengths, and assumed where they are absent (a captured mixed step)."""
+    if metadata.max_query_len <= 1:
+        return False
+    cu = metadata.cu_seqlens_q_cpu
+    if cu is None:
+        return True
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    return 1 in lens and max(lens) > 1

@@ -69,6 +69,24 @@ NOT_GRAPH_SAFE = {
     "fused_moe": {"torch"},
 }
 GRAPH_CLASSES = tuple(DECODE_CLASSES)
+# Mixed steps (prefill chunks + decode rows) captured as graphs run attention at an
+# upper-bound query length; pdserve's kernel is written for that (its grid depends on
+# shapes only), other attention kernels are not known to be.
+MIXED_GRAPH_ATTENTION = ("triton",)
+
+
+def mixed_graph_blocker(choices: dict[str, str], token_counts) -> str | None:
+    """Why mixed steps of these token counts cannot be captured with these picks
+    ({"op.class": candidate}), or None when they can."""
+    attention = choices.get("paged_attention.mixed")
+    if attention not in MIXED_GRAPH_ATTENTION:
+        return f"paged_attention.mixed runs on {attention!r}, not {MIXED_GRAPH_ATTENTION}"
+    classes = {token_class(n) for n in token_counts}
+    for key, name in sorted(choices.items()):
+        op, _, cls = key.partition(".")
+        if cls in classes and name in NOT_GRAPH_SAFE.get(op, ()):
+            return f"{key} runs on {name!r}, which cannot be captured"
+    return None
 
 
 def ops_for(shapes: KernelShapes | None = None) -> list[str]:
@@ -83,14 +101,25 @@ def all_keys(shapes: KernelShapes | None = None) -> set[str]:
     return {f"{op}.{c}" for op in ops_for(shapes) for c in OP_CLASSES[op]}
 
 
-def candidates_for(op: str, cls: str, graphs: bool = True) -> tuple[str, ...]:
+def candidates_for(
+    op: str, cls: str, graphs: bool = True, mixed_graphs: bool = False
+) -> tuple[str, ...]:
     """The candidates for one op and class; graphs: decode classes run as CUDA-graph
-    replays (a GPU), so only capture-safe candidates (a CPU has no graphs)."""
+    replays (a GPU), so only capture-safe candidates (a CPU has no graphs).
+    mixed_graphs: mixed steps run as graphs too, so the prefill token class (and the
+    mixed attention class: MIXED_GRAPH_ATTENTION) keep only what they can capture. The
+    tuner picks that way on a GPU; an explicit override may still choose otherwise,
+    and mixed steps then run eagerly (mixed_graph_blocker says why)."""
     names = CANDIDATES.get(op, DEFAULT_CANDIDATES)
     only = ONLY_FOR.get(op, {})
     names = tuple(n for n in names if cls in only.get(n, (cls,)))
-    if graphs and cls in GRAPH_CLASSES:
+    captured = cls in GRAPH_CLASSES or (
+        mixed_graphs and cls == "prefill" and op != "paged_attention"
+    )
+    if graphs and captured:
         names = tuple(n for n in names if n not in NOT_GRAPH_SAFE.get(op, ()))
+    if graphs and mixed_graphs and (op, cls) == ("paged_attention", "mixed"):
+        names = tuple(n for n in names if n in MIXED_GRAPH_ATTENTION)
     return names
 
 

@@ -11,7 +11,7 @@ import torch
 
 from services.kernels import triton as tk
 from services.kernels.fp8 import fp8_format_of
-from services.kernels.interface import AttentionMetadata
+from services.kernels.interface import AttentionMetadata, mixes_decode_rows
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
 
 
@@ -21,6 +21,9 @@ class TritonBackend:
     def __init__(self, attn_num_splits: int | None = None):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
+
+    def mixed_graph_blocker(self, token_counts) -> str | None:
+        return None  # every op reads lengths from device tensors (mixed_graph.py)
 
     def linear(self, x, layer):
         if fp8_format_of(layer) is not None:  # FP8 weights: our block/channel-scaled GEMM
@@ -92,4 +95,5 @@ class TritonBackend:
             num_splits=self.attn_num_splits,
             k_scale=k_scale,
             v_scale=v_scale,
+            split_decode_rows=mixes_decode_rows(metadata),
         )

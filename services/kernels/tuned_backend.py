@@ -14,6 +14,7 @@ from services.kernels.shape_classes import (
     KernelShapes,
     all_keys,
     attention_class,
+    mixed_graph_blocker,
     parse_choices,
     token_class,
 )
@@ -43,6 +44,10 @@ class TunedBackend:
         self._pick = {key: backends[name] for key, name in choices.items()}
         # launch settings the tuner picked with a choice ("op.class" -> config)
         self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
+
+    def mixed_graph_blocker(self, token_counts) -> str | None:
+        """Why mixed steps of these token counts cannot run as CUDA graphs here."""
+        return mixed_graph_blocker(self.choices, token_counts)
 
     def _by_tokens(self, op: str, num_tokens: int):
         return self._pick[f"{op}.{token_class(num_tokens)}"]

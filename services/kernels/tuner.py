@@ -48,7 +48,7 @@ from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 6  # 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 7  # 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -287,7 +287,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
         for cls in OP_CLASSES[op]:
             key = f"{op}.{cls}"
             graph = graphs and device.type == "cuda" and cls in GRAPH_CLASSES
-            names = candidates_for(op, cls, graphs)
+            names = candidates_for(op, cls, graphs, mixed_graphs=graphs)
             if device.type == "cpu" and [n for n in names if n in candidates] == ["torch"]:
                 # nothing to compare the reference with (a CPU's elementwise ops)
                 result.choices[key], result.times_us[key] = "torch", {}

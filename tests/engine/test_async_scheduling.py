@@ -133,3 +133,41 @@ def _assert_same_logprobs(got, want):
         for tid in w:
             assert g[tid].rank == w[tid].rank
             assert g[tid].logprob == pytest.approx(w[tid].logprob, abs=1e-4)
+
+
+def test_prompts_arriving_during_decode_are_admitted_without_a_pipeline_stall(engines):
+    """Steady arrivals: a prompt comes in every other step while greedy requests
+    decode. Each is admitted next to the decode rows of a step launched before the
+    previous step's tokens are read (its input tokens still on the device), so the
+    pipeline never drains; a prompt needing logprobs takes a synchronous step. Every
+    output equals the synchronous engine's and every block comes back."""
+    sync, pipelined = engines
+    tok = sync.tokenizer
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) + [11 + i] for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + i % 5) for i in range(12)]
+    params[7] = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
+    params[9] = SamplingParams(temperature=0.7, max_tokens=9, seed=3)
+    results, in_flight = [], []
+    for engine in engines:
+        before = engine.num_pipelined_mixed_steps
+        finals, step, ahead = {}, 0, 0
+        while step < 400:
+            if step % 2 == 0 and step // 2 < len(prompts):
+                i = step // 2
+                engine.add_request(f"a{i}", prompts[i], params[i])
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.output
+            ahead += engine._in_flight is not None
+            step += 1
+            if step > 2 * len(prompts) and not engine.has_unfinished_requests():
+                break
+        results.append({r: (o.token_ids, o.text, o.finish_reason) for r, o in finals.items()})
+        in_flight.append((engine.num_pipelined_mixed_steps - before, ahead))
+        assert_all_blocks_free(engine)
+    assert len(results[0]) == len(prompts)
+    assert results[1] == results[0]
+    assert in_flight[0] == (0, 0)
+    mixed, ahead = in_flight[1]
+    assert mixed >= 6, f"only {mixed} prompts were admitted into a pipelined step"
+    assert ahead > 20

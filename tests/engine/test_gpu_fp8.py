@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
+from tests.engine.fp8_helpers import compare, fp8_layers
 from tests.engine.helpers import assert_all_blocks_free
 from tests.engine.test_fp8_checkpoints import (
-    _compare,
-    _fp8_layers,
     block_fp8,  # noqa: F401 - fixtures
     compressed_tensors,  # noqa: F401
     unquantized,  # noqa: F401
@@ -51,7 +50,7 @@ def _graphs_equal_eager(qdir, backend, **extra):
                 pytest.skip(str(exc))
             raise
         assert (llm.engine.runner.graph_runner is None) == eager
-        layers = _fp8_layers(llm)
+        layers = fp8_layers(llm)
         assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers.values())
         results[eager] = llm.generate(prompts, params)
         assert_all_blocks_free(llm)
@@ -81,4 +80,4 @@ def test_block_fp8_on_gpu_tracks_transformers(block_fp8):  # noqa: F811
     pytest.importorskip("triton")
     qdir, reference = block_fp8
     llm = LLM(str(qdir), device="cuda", dtype="float32", kernel_backend="triton")
-    _compare(llm, reference, group=128)
+    compare(llm, reference, group=128)

@@ -219,3 +219,43 @@ def test_cuda_graph_replay_with_new_metadata(captured, replayed):
     graph.replay()
     torch.cuda.synchronize()
     assert_close_rel(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split_rows", "one_config"])
+def test_captured_mixed_step_layout(split, device):
+    """As a captured mixed step runs it (services/engine/mixed_graph.py): lengths known
+    only on the device, max_query_len and max_seq_len upper bounds, empty sequence
+    slots after the real ones; with split_decode_rows the decode rows take a decode
+    launch and the chunks a prefill one. Both equal the reference."""
+    from services.kernels import triton as tk
+
+    dtype = torch.float32
+    q, k_cache, v_cache, meta, _ = make_attention_batch(
+        *MIXED,
+        block_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=dtype,
+        device=device,
+    )
+    ref = reference_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    empty = 3  # sequence slots with no query rows
+    cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(empty)])
+    lens = torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(empty)])
+    tables = torch.cat(
+        [meta.block_tables, meta.block_tables.new_zeros(empty, meta.block_tables.shape[1])]
+    )
+    out = tk.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        cu,
+        max_query_len=64,
+        max_seq_len=4096,
+        scale=32**-0.5,
+        split_decode_rows=split,
+    )
+    assert_close_rel(out, ref, dtype)

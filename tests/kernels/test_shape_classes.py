@@ -113,3 +113,17 @@ def test_attention_class(device):
     m = meta([4, 7], [0, 3])
     m.cu_seqlens_q_cpu = None  # no host lengths: cannot prove it is prompt-only
     assert attention_class(m) == "mixed"
+
+
+def test_mixed_graphs_keep_capturable_candidates_only():
+    """A GPU tuner picks, for the classes mixed-step graphs run, only what they can
+    capture; an explicit override may still choose the rest (mixed steps then run
+    eagerly, mixed_graph_blocker naming the pick)."""
+    assert "torch" in candidates_for("store_kv_cache", "prefill")
+    assert "torch" not in candidates_for("store_kv_cache", "prefill", mixed_graphs=True)
+    assert "torch" not in candidates_for("fused_moe", "prefill", mixed_graphs=True)
+    assert candidates_for("paged_attention", "mixed", mixed_graphs=True) == ("triton",)
+    # prefill-only attention never runs inside a mixed graph: every candidate stays
+    assert "sdpa" in candidates_for("paged_attention", "prefill", mixed_graphs=True)
+    assert "sdpa" in candidates_for("paged_attention", "mixed", graphs=False, mixed_graphs=True)
+    assert parse_choices("paged_attention.mixed=sdpa") == {"paged_attention.mixed": "sdpa"}

@@ -96,6 +96,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
     KV_FP8: tl.constexpr,  # float8_e4m3fn cache: computed in q's dtype
+    ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +118,12 @@ def _paged_attention_kernel(
     q_block_local = q_block - (q_start // BLOCK_Q + seq)
     if q_block_local * BLOCK_Q >= query_len:
         return
+    if ROWS == 1:
+        if query_len != 1:
+            return
+    if ROWS == 2:
+        if query_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
@@ -370,11 +377,16 @@ def paged_attention(
     config: dict | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    split_decode_rows: bool = False,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
     this step); cu_seqlens_q [num_seqs + 1] int32. Returns [T, Hq, D] in q's dtype.
-    FP8 caches are read as stored * k_scale / v_scale (None: 1.0)."""
+    FP8 caches are read as stored * k_scale / v_scale (None: 1.0).
+    split_decode_rows (with max_query_len > 1): two launches, the one-query rows at a
+    decode configuration and the longer ones at this batch's; a single configuration
+    sized for long queries gives each decode row a whole prefill tile (mostly idle).
+    Lengths stay on the device: both grids cover every sequence and skip the others'."""
     kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     n_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -389,19 +401,24 @@ def paged_attention(
         return out
     check_device(_paged_attention_kernel, q, k_cache, v_cache, block_tables, seq_lens)
     interp = is_interpreted(_paged_attention_kernel)
+    smem = (head_dim, q.element_size(), k_cache.element_size(), device_smem(q) or 0)
+    sizes = (n_tokens, num_seqs, num_q_heads, num_kv_heads)
+    # a forced key-split count keeps one launch (the merge would cover every row)
+    split = split_decode_rows and max_query_len > 1 and num_splits in (None, 1)
     cfg = attention_config(
-        n_tokens,
-        num_seqs,
-        num_q_heads,
-        num_kv_heads,
+        *sizes,
         max_query_len,
         max_seq_len,
         device_sms(q),
         interp,
-        num_splits,
+        1 if split else num_splits,
         config,
-        smem=(head_dim, q.element_size(), k_cache.element_size(), device_smem(q) or 0),
+        smem=smem,
     )
+    launches = [(0, cfg)]
+    if split:
+        decode = attention_config(*sizes, 1, max_seq_len, device_sms(q), interp, 1, smem=smem)
+        launches = [(1, decode), (2, cfg)]
     head_dim_p = max(16, next_pow2(head_dim))
     splits = cfg["NUM_SPLITS"]
     if splits > 1:
@@ -420,40 +437,42 @@ def paged_attention(
     if kv_fp8 and k_scale is not None:
         qk_scale *= float(k_scale)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    grid = (cfg["num_q_blocks"], num_kv_heads, splits)
-    _paged_attention_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens.contiguous(),
-        cu_seqlens_q.contiguous(),
-        part_acc,
-        part_ml,
-        qk_scale,
-        1.0 if v_scale is None else float(v_scale),
-        num_seqs,
-        num_q_heads,
-        *q.stride(),
-        *out.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        block_tables.stride(0),
-        Q_PER_KV=num_q_heads // num_kv_heads,
-        BLOCK_Q=cfg["BLOCK_Q"],
-        BLOCK_M=cfg["BLOCK_M"],
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size,
-        TILE_N=cfg["TILE_N"],
-        NUM_SPLITS=splits,
-        PRECISION=precision,
-        UPCAST_DOT=interp and compute_dtype == torch.bfloat16,
-        KV_FP8=kv_fp8,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
+    for rows, c in launches:
+        _paged_attention_kernel[(c["num_q_blocks"], num_kv_heads, c["NUM_SPLITS"])](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            part_acc,
+            part_ml,
+            qk_scale,
+            1.0 if v_scale is None else float(v_scale),
+            num_seqs,
+            num_q_heads,
+            *q.stride(),
+            *out.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            block_tables.stride(0),
+            Q_PER_KV=num_q_heads // num_kv_heads,
+            BLOCK_Q=c["BLOCK_Q"],
+            BLOCK_M=c["BLOCK_M"],
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            BLOCK_SIZE=block_size,
+            TILE_N=c["TILE_N"],
+            NUM_SPLITS=c["NUM_SPLITS"],
+            PRECISION=precision,
+            UPCAST_DOT=interp and compute_dtype == torch.bfloat16,
+            KV_FP8=kv_fp8,
+            ROWS=rows,
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
+        )
     if splits > 1:
         n_rows = n_tokens * num_q_heads
         block_r = min(next_pow2(n_rows), 64) if interp else 1
