@@ -28,7 +28,7 @@ import torch
 from services.kernels import AttentionMetadata
 
 if TYPE_CHECKING:
-    from services.engine.model_runner import StepInput
+    from services.engine.step_inputs import StepInput
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,16 @@ from services.engine.sampler import (
 )
 from services.engine.scheduler import ScheduledSeq
 from services.engine.startup import StartupPhases
+from services.engine.step_inputs import (
+    StepInput,
+    attention_metadata,
+    decode_rows,
+    pipelined_step,
+    prepare_step,
+    prompt_targets,
+)
 from services.engine.tp_ranks import TPRanks
-from services.kernels import AttentionMetadata, get_backend
+from services.kernels import get_backend
 from services.kernels.fp8 import FP8_FNUZ_DTYPE, platform_fp8_dtype
 from services.kernels.shape_classes import KernelShapes, weight_quant_tag
 from services.models.loader import load_model
@@ -43,22 +51,6 @@ from services.models.tensor_parallel import TPGroup
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInput:
-    """One forward pass as host lists: all any rank needs to run it (rank 0 sends it to
-    the others). logits_rows: the rows sampled; prompt_rows: (start, end) row ranges
-    whose logits give prompt logprobs, computed first, in order."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    cu_seqlens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logits_rows: list[int]
-    prompt_rows: list[tuple[int, int]]
 
 
 @dataclass
@@ -299,10 +291,10 @@ class ModelRunner:
             if self._graph_eligible(batch):
                 seqs = [item.seq for item in batch]
                 ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
-                rows = self._decode_rows(seqs)
+                rows = decode_rows(seqs, self.config.block_size)
                 self._mirror("run_graph", ids, *rows)
                 return self.sampler(self.run_graph(ids, *rows), sampling)
-            step = self._prepare(batch)
+            step = prepare_step(batch, self.config.block_size)
             size = self._mixed_bucket(step)
             if size is not None:
                 self._mirror("run_mixed_graph", step, size)
@@ -325,7 +317,7 @@ class ModelRunner:
         sampled by the step before, not on the host yet (rank 0 only)."""
         with _on_device(self.device):
             dev = self.device
-            meta = self._metadata(step.slots, step.cu_seqlens, step.seq_lens, step.block_tables)
+            meta = attention_metadata(step, self.config.block_size, dev)
             ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
             if device_input is not None:
                 tokens, (rows, sources) = device_input
@@ -366,20 +358,8 @@ class ModelRunner:
         prev_tokens[prev_rows[i]]) followed by whole prompts that complete here; the
         samples (one per decode row, then one per prompt) stay on the device. Rank 0
         only (the engine keeps tensor parallelism on synchronous steps)."""
-        pos, slots, lens, tables = self._decode_rows(seqs)
-        n = len(seqs)
-        chunk = self._prepare(admitted)
-        step = StepInput(
-            [0] * n + chunk.input_ids,
-            pos + chunk.positions,
-            slots + chunk.slots,
-            list(range(n + 1)) + [n + c for c in chunk.cu_seqlens[1:]],
-            lens + chunk.seq_lens,
-            tables + chunk.block_tables,
-            list(range(n)) + [n + r for r in chunk.logits_rows],
-            [],
-        )
-        device_input = (prev_tokens, (list(range(n)), prev_rows))
+        step = pipelined_step(seqs, admitted, self.config.block_size)
+        device_input = (prev_tokens, (list(range(len(seqs))), prev_rows))
         with _on_device(self.device):
             size = self._mixed_bucket(step)
             if size is not None:
@@ -406,7 +386,7 @@ class ModelRunner:
     def _prompt_logprobs(self, batch, logits: list) -> dict[str, list]:
         out = {}
         chunks = iter(logits)
-        for seq, first, last in self._prompt_targets(batch):
+        for seq, first, last in prompt_targets(batch):
             if first > last:
                 continue
             logprobs = torch.log_softmax(next(chunks).float(), dim=-1)
@@ -415,20 +395,6 @@ class ModelRunner:
             out[seq.seq_id] = list(zip(targets, entries))
         return out
 
-    def _prompt_targets(self, batch):
-        """Per sequence: (seq, first, last) prompt tokens whose logprobs this chunk
-        gives (position p predicts token p + 1), skipping those already collected (a
-        recompute after preemption); first > last: none. Every chunk contributes."""
-        for item in batch:
-            seq = item.seq
-            if not seq.needs_prompt_logprobs:
-                yield seq, 1, 0
-                continue
-            start = seq.num_computed_tokens
-            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # first target token
-            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            yield seq, first, last
-
     def _graph_eligible(self, batch: list[ScheduledSeq]) -> bool:
         g = self.graph_runner
         if g is None or not all(
@@ -436,19 +402,6 @@ class ModelRunner:
         ):
             return False
         return g.can_run(len(batch), max(item.seq.num_computed_tokens + 1 for item in batch))
-
-    def _decode_rows(self, seqs):
-        """Positions, slots, lengths and block tables of one new token per sequence,
-        at position num_computed_tokens (its block is already allocated)."""
-        bs = self.config.block_size
-        pos, slots, lens, tables = [], [], [], []
-        for seq in seqs:
-            p = seq.num_computed_tokens
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            tables.append(seq.block_table)
-        return pos, slots, lens, tables
 
     @torch.inference_mode()
     def decode_on_device(
@@ -466,7 +419,7 @@ class ModelRunner:
         ids = None
         if prev_tokens is None:
             ids = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
-        rows = self._decode_rows(seqs)
+        rows = decode_rows(seqs, self.config.block_size)
         self._mirror("decode_logits", ids, *rows)
         logits = self.decode_logits(ids, *rows, prev_tokens, prev_rows)
         with _on_device(self.device):
@@ -493,7 +446,11 @@ class ModelRunner:
             g = self.graph_runner
             if g is not None and g.can_run(len(pos), max(lens)):
                 return g.run(ids, pos, slots, lens, tables, device_input)
-            meta = self._metadata(slots, list(range(len(pos) + 1)), lens, tables)
+            meta = attention_metadata(
+                StepInput([], pos, slots, list(range(len(pos) + 1)), lens, tables, [], []),
+                self.config.block_size,
+                self.device,
+            )
             if device_input is None:
                 input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
             else:
@@ -502,51 +459,6 @@ class ModelRunner:
             self.ops.prepare_attention(meta)
             hidden = self.model(input_ids, positions, meta)
             return self.model.compute_logits(hidden)
-
-    def _prepare(self, batch: list[ScheduledSeq]) -> StepInput:
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.completes_prefill:
-                logits_rows.append(cu_seqlens[-1] - 1)
-        prompt_rows = [
-            (row0 + first - 1 - seq.num_computed_tokens, row0 + last - seq.num_computed_tokens)
-            for row0, (seq, first, last) in zip(cu_seqlens, self._prompt_targets(batch))
-            if first <= last
-        ]
-        tables = [item.seq.block_table for item in batch]
-        return StepInput(
-            input_ids, positions, slots, cu_seqlens, seq_lens, tables, logits_rows, prompt_rows
-        )
-
-    def _metadata(self, slots, cu_seqlens, seq_lens, block_tables) -> AttentionMetadata:
-        dev = self.device
-        width = max(len(t) for t in block_tables)
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])),
-            max_seq_len=max(seq_lens),
-            block_size=self.config.block_size,
-            cu_seqlens_q_cpu=cu_seqlens,
-            seq_lens_cpu=seq_lens,
-        )
 
 
 def _on_device(device: torch.device):
