@@ -34,6 +34,8 @@ class EngineLoop:
         )
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._closed = False  # the engine thread has ended: it runs no more commands
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_audit = KVAudit(0, 0.0)
         self._audited_at = float("-inf")
@@ -49,16 +51,23 @@ class EngineLoop:
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn() on the engine thread; its exception is re-raised here. If the caller
         is cancelled before the engine thread gets to it, fn does not run."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._submit(fn))
 
     async def call_always(self, fn: Callable[[], Any]) -> Any:
         """Like call(), but fn runs even if the caller is cancelled while waiting:
         for cleanup (freeing blocks) in `finally` blocks of cancellable handlers."""
+        return await asyncio.shield(asyncio.wrap_future(self._submit(fn)))
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
-        return await asyncio.shield(asyncio.wrap_future(future))
+        with self._closing:
+            if self._closed:
+                # nothing would ever run it: a caller waiting on it (a handler's cleanup
+                # at shutdown) would hang the process's exit
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+            else:
+                self._commands.put((fn, future))
+        return future
 
     def open_stream(self, request_id: str, sink=None) -> asyncio.Queue:
         """Where request_id's outputs and errors go, on the calling event loop: a new
@@ -119,6 +128,10 @@ class EngineLoop:
                 self._fail_all(e)
                 continue
             self.publish_step(outputs)
+        # stopped: run what was asked before (cleanup that frees blocks), refuse the rest
+        with self._closing:
+            self._closed = True
+        self._drain_commands(block=False)
 
     def _audit_now_and_then(self) -> None:
         now = time.monotonic()

@@ -6,7 +6,10 @@ outputs to this stream's sinks, which write every request's news into the one me
 going out next (the Outbox), so the host cost per token is building its protobuf and no
 more. A request that fails ends with a GenerateStreamError carrying the status a unary
 Generate would have ended with; the stream itself ends when the router half-closes and
-its last request is done, and cancelling it (router gone) aborts every request on it."""
+its last request is done, and cancelling it (router gone) aborts every request on it.
+
+The unary-stream Generate is the same lifecycle with an outbox of its own (serve_one):
+one definition of admission, remote prefill, cancellation, errors and freeing."""
 
 from __future__ import annotations
 
@@ -98,6 +101,30 @@ class OutboxSink:
                 self.done.set_result(True)
 
 
+async def serve_one(generate, request):
+    """Generate: one request on its own stream, run by the same lifecycle as each of
+    GenerateStream's (`generate(request, outbox)`). Its responses are yielded one by one
+    as they come; its error is raised after them, for the interceptor to turn into the
+    call's status. Cancelling the call (caller gone, its deadline) cancels the request,
+    whose own `finally` frees its blocks before the call ends."""
+    outbox = Outbox()
+    task = asyncio.create_task(generate(request, outbox), name=f"generate/{request.request_id}")
+    task.add_done_callback(lambda _: outbox.ready.set())
+    try:
+        while True:
+            await outbox.ready.wait()
+            ended = task.done()  # before taking: see MuxSession.serve
+            for message in outbox.take():
+                for response in message.responses:
+                    yield response
+            if ended:
+                task.result()
+                return
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 class MuxSession:
     """One GenerateStream call. `generate(start, outbox)` is the servicer's request
     lifecycle, writing into the outbox through an OutboxSink."""
@@ -113,9 +140,12 @@ class MuxSession:
         try:
             while True:
                 await self.outbox.ready.wait()
+                # decided before taking: a request that ends while a message is being
+                # written leaves its last responses in the outbox for the next round
+                ended = reader.done() and (reader.exception() is not None or not self.tasks)
                 for message in self.outbox.take():
                     yield message
-                if reader.done() and (reader.exception() is not None or not self.tasks):
+                if ended:
                     reader.result()  # a malformed request ends the call with its error
                     return
         finally:

@@ -8,6 +8,7 @@ them into gRPC status codes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -15,9 +16,9 @@ import uuid
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import convert
-from services.common.errors import EngineFailedError, RequestExistsError
+from services.common.errors import RequestExistsError
 from services.common.server import WorkerContext, load_report
-from services.decode.mux import MuxSession, Outbox, OutboxSink
+from services.decode.mux import MuxSession, Outbox, OutboxSink, serve_one
 from services.decode.remote_prefill import PrefillPeers, PrefillTimings, RemotePrefill
 from services.decode.responses import ResponseBuilder
 from services.engine import apply_chat_template
@@ -98,38 +99,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def Generate(self, request, context):
-        """One request, its responses on their own stream."""
-        rid, params, prompt_ids = await self._checked(request)
-        key = self.active.claim(rid)
-        stream = self.ctx.loop.open_stream(key)
-        builder = ResponseBuilder(self.ctx.engine, rid, request, prompt_ids, params)
-        try:
-            builder.timings = await self._prefill(key, request, prompt_ids, params)
-            while True:
-                out = await stream.get()
-                resp = decode_pb2.GenerateResponse()
-                if isinstance(out, asyncio.CancelledError):  # Abort()
-                    builder.fill_aborted(resp)
-                    yield resp
-                    return
-                if isinstance(out, BaseException):
-                    raise EngineFailedError(f"engine failed: {out}") from out
-                builder.fill(out, resp)
-                if out.finished:
-                    self.ctx.metrics.requests.labels("ok").inc()
-                    yield resp
-                    return
-                yield resp
-        finally:
-            await self._end(rid, key)
+        """One request, its responses on their own stream: the lifecycle below."""
+        # closed with the call, not when collected: its `finally` frees the request
+        async with contextlib.aclosing(serve_one(self._generate_into, request)) as responses:
+            async for response in responses:
+                yield response
 
     async def GenerateStream(self, request_iterator, context):
         """Many requests over one stream, a message per engine step (mux.py)."""
-        async for message in MuxSession(self._generate_into).serve(request_iterator):
-            yield message
+        session = MuxSession(self._generate_into)
+        async with contextlib.aclosing(session.serve(request_iterator)) as messages:
+            async for message in messages:
+                yield message
 
     async def _generate_into(self, request, outbox: Outbox) -> None:
-        """Generate's lifecycle with the responses written into a shared outbox."""
+        """A request's whole lifecycle, its responses written into an outbox (its own
+        for Generate, the stream's for GenerateStream); its error is raised."""
         rid, params, prompt_ids = await self._checked(request)
         key = self.active.claim(rid)
         builder = ResponseBuilder(self.ctx.engine, rid, request, prompt_ids, params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from kvtransfer import KVAgentInfo, KVTransferError, TransferStats
 from kvtransfer.faults import PrefillStalls
@@ -42,12 +43,20 @@ async def _uncancellable(task: asyncio.Future):
     return result
 
 
+@dataclass
+class _InFlight:
+    """A Prefill call in flight: its handler's task, and `done` once it has let go of
+    every block, the KV transfer included."""
+
+    task: asyncio.Task
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False  # cancelled by Abort(), not by its caller going away
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
-        # request id -> (its handler task, set once the handler has let go of every block,
-        # the KV transfer included)
-        self._inflight: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+        self._inflight: dict[str, _InFlight] = {}
         # ids aborted before their Prefill arrived: refuse them when they do
         self._aborted: dict[str, float] = {}
         self._stalls = PrefillStalls.from_env()  # faults for tests only (kvtransfer/faults.py)
@@ -72,8 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         peer = self._admissible(rid, prompt, request)
         # in flight from here: a duplicate id is refused and Abort finds the call, also
         # while its grammar compiles
-        done = asyncio.Event()
-        self._inflight[rid] = (asyncio.current_task(), done)
+        call = self._inflight[rid] = _InFlight(asyncio.current_task())
         try:
             await self._validate(prompt, params)
             first, first_lp, prompt_lps, stats, prefill_s = await self._prefill_and_push(
@@ -82,9 +90,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except KVTransferError:
             self.ctx.metrics.requests.labels("transfer_failed").inc()
             raise
+        except asyncio.CancelledError:
+            if not call.aborted:
+                raise  # the caller went away: nobody to answer
+            # Abort() stopped a call whose caller still waits: answer it (CANCELLED),
+            # or it would wait out its deadline; gRPC sends no status for a handler
+            # that ends cancelled
+            call.task.uncancel()
+            raise RequestAbortedError(f"prefill of {rid} was aborted by Abort()") from None
         finally:
             self._inflight.pop(rid, None)
-            done.set()
+            call.done.set()
         self.ctx.metrics.requests.labels("ok").inc()
         resp = prefill_pb2.PrefillResponse(
             request_id=rid,
@@ -225,13 +241,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Abort(self, request, context):
         """Returns once nothing of the request can still write to the decode worker."""
         rid = request.request_id
-        entry = self._inflight.get(rid)
-        if entry is None:
+        call = self._inflight.get(rid)
+        if call is None:
             self._aborted[rid] = time.monotonic()
             return common_pb2.AbortResponse(found=False)
-        task, done = entry
-        task.cancel()  # the handler aborts the engine request; a write in flight finishes
-        await asyncio.wait_for(done.wait(), self.ctx.settings.abort_timeout_s)
+        call.aborted = True
+        # the handler aborts the engine request; a write in flight finishes
+        call.task.cancel()
+        await asyncio.wait_for(call.done.wait(), self.ctx.settings.abort_timeout_s)
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
