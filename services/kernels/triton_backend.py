@@ -74,6 +74,7 @@ class TritonBackend:
             i32(metadata.block_tables),
             i32(metadata.seq_lens),
             i32(metadata.cu_seqlens_q),
+            mixes_decode_rows(metadata),  # a walk over the host lengths: once per step
         )
 
     def paged_attention(
@@ -81,7 +82,7 @@ class TritonBackend:
     ):
         if "triton" not in metadata.backend_data:
             self.prepare_attention(metadata)
-        block_tables, seq_lens, cu_seqlens_q = metadata.backend_data["triton"]
+        block_tables, seq_lens, cu_seqlens_q, split_rows = metadata.backend_data["triton"]
         return tk.paged_attention(
             q,
             k_cache,
@@ -95,5 +96,5 @@ class TritonBackend:
             num_splits=self.attn_num_splits,
             k_scale=k_scale,
             v_scale=v_scale,
-            split_decode_rows=mixes_decode_rows(metadata),
+            split_decode_rows=split_rows,
         )
