@@ -2,9 +2,11 @@
 into the decode worker's blocks after the decode worker has moved on (recomputed, freed
 and handed the blocks to another request).
 
-The injected fault: every KV write on the prefill worker starts 4 s late and cannot be
+The injected fault: every KV write on the prefill worker starts 7 s late and cannot be
 called back once started (a slow link), while the decode worker's prefill deadline is
-1.5 s. Real processes, the real Mooncake engine over TCP."""
+3 s. The prefill itself (connect, compute, start the write) must fit inside that
+deadline: about 0.6 s on an idle 2-core machine, and a CI run once took over 1.5 s.
+Real processes, the real Mooncake engine over TCP."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import time
 from tests.workers.procs import start_worker
 from tests.workers.test_disaggregated import BLOCK, expected, generate
 
-WRITE_DELAY_S = 4.0
+WRITE_DELAY_S = 7.0
+PREFILL_TIMEOUT_S = 3.0
 
 
 def test_recompute_waits_until_the_late_write_cannot_land(model, colocated):
@@ -22,7 +25,12 @@ def test_recompute_waits_until_the_late_write_cannot_land(model, colocated):
     )
     # 24 blocks: the second request must reuse blocks that the first one was given
     decode = start_worker(
-        "decode", "--prefill-timeout", "1.5", "--num-kv-blocks", "24", model=model
+        "decode",
+        "--prefill-timeout",
+        str(PREFILL_TIMEOUT_S),
+        "--num-kv-blocks",
+        "24",
+        model=model,
     )
     try:
         first = [(i * 41) % 40000 + 100 for i in range(200)]  # 13 blocks
@@ -37,6 +45,9 @@ def test_recompute_waits_until_the_late_write_cannot_land(model, colocated):
         # The decode worker recomputed only once the prefill worker's write had ended:
         # by now it has landed (before the recompute) and nothing more can.
         report = prefill.load()
+        assert any("delaying a write" in line for line in prefill.log), (
+            f"the prefill worker never reached its KV write within {PREFILL_TIMEOUT_S} s"
+        )
         assert report.kv_transfers_ok + report.kv_transfers_failed == 1, (
             "the decode worker answered while the prefill worker's write was still pending"
         )
@@ -72,7 +83,9 @@ def test_blocks_hold_the_right_kv_after_the_late_moment(model):
         "prefill", model=model, env={"PDSERVE_FAULT_WRITE_DELAY_S": str(WRITE_DELAY_S)}
     )
     config = EngineConfig(model=model, role="decode", num_kv_blocks=24, max_model_len=384)
-    ctx = WorkerContext("decode", config, WorkerSettings(port=0, prefill_timeout_s=1.5))
+    ctx = WorkerContext(
+        "decode", config, WorkerSettings(port=0, prefill_timeout_s=PREFILL_TIMEOUT_S)
+    )
     ctx.load()
     ctx.ready.set()
     first = [(i * 41) % 40000 + 100 for i in range(200)]  # 13 blocks
