@@ -84,16 +84,24 @@ def summarize(results):
     }
 
 
-async def run(url, decode_addr, prefill_addr, n, max_tokens):
-    async with aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
-    ) as session:
-        routed = await asyncio.gather(*(via_router(session, url, i, max_tokens) for i in range(n)))
-    async with grpc.aio.insecure_channel(decode_addr) as ch:
+async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
+    """`rounds` waves of n concurrent requests, alternating router and direct gRPC so
+    that drift on a shared machine hits both paths alike."""
+    routed, direct = [], []
+    async with (
+        aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
+        ) as session,
+        grpc.aio.insecure_channel(decode_addr) as ch,
+    ):
         stub = decode_pb2_grpc.DecodeServiceStub(ch)
-        direct = await asyncio.gather(
-            *(via_grpc(stub, prefill_addr, i, max_tokens) for i in range(n))
-        )
+        for _ in range(rounds):
+            routed += await asyncio.gather(
+                *(via_router(session, url, i, max_tokens) for i in range(n))
+            )
+            direct += await asyncio.gather(
+                *(via_grpc(stub, prefill_addr, i, max_tokens) for i in range(n))
+            )
     return summarize(routed), summarize(direct)
 
 
@@ -103,6 +111,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="waves per concurrency (default: enough for ~64 requests, at least 2)",
+    )
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument(
         "--model",
@@ -149,8 +163,9 @@ def main() -> None:
         print("| streams | path | TTFT p50 | TTFT p99 | per token p50 | per token p99 |")
         print("|---|---|---|---|---|---|")
         for n in args.concurrency:
+            rounds = args.rounds or max(2, 64 // n)
             routed, direct = asyncio.run(
-                run(url, decode.address, prefill.address, n, args.max_tokens)
+                run(url, decode.address, prefill.address, n, args.max_tokens, rounds)
             )
             for name, r in (("router", routed), ("direct gRPC", direct)):
                 print(

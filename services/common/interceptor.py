@@ -14,6 +14,7 @@ is only "convert protobuf, call, convert back".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -57,6 +58,28 @@ class WorkerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, is_ready: Callable[[], bool], prefix: str = "/pdpb."):
         self._prefix = prefix
         self._is_ready = is_ready
+        self._handlers: set[asyncio.Task] = set()  # the tasks running a call's handler
+
+    async def finish_handlers(self, timeout: float) -> int:
+        """At shutdown, once the server has stopped: cancel the handlers still running
+        and wait (up to timeout) until their cleanup (aborting requests, freeing
+        blocks) has run, so it runs before the engine and the KV connector close
+        rather than against closed ones. Returns how many were still running."""
+        running = [t for t in self._handlers if not t.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=timeout)
+        return len(running)
+
+    @contextlib.contextmanager
+    def _tracked(self):
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            yield
+        finally:
+            self._handlers.discard(task)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -86,32 +109,35 @@ class WorkerInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior, method: str):
         async def wrapped(request, context):
             await self._require_ready(context)
-            try:
-                return await behavior(request, context)
-            except Exception as e:
-                await self._abort(e, request, context, method)
+            with self._tracked():
+                try:
+                    return await behavior(request, context)
+                except Exception as e:
+                    await self._abort(e, request, context, method)
 
         return wrapped
 
     def _stream(self, behavior, method: str):
         async def wrapped(request, context):
             await self._require_ready(context)
-            try:
-                async for response in behavior(request, context):
-                    yield response
-            except Exception as e:
-                await self._abort(e, request, context, method)
+            with self._tracked():
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except Exception as e:
+                    await self._abort(e, request, context, method)
 
         return wrapped
 
     def _bidi(self, behavior, method: str):
         async def wrapped(request_iterator, context):
             await self._require_ready(context)
-            try:
-                async for response in behavior(request_iterator, context):
-                    yield response
-            except Exception as e:
-                await self._abort(e, None, context, method)
+            with self._tracked():
+                try:
+                    async for response in behavior(request_iterator, context):
+                        yield response
+                except Exception as e:
+                    await self._abort(e, None, context, method)
 
         return wrapped
 

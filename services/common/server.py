@@ -29,6 +29,8 @@ from services.engine.startup import StartupPhases
 from services.engine.warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
+# how long cancelled handlers get at shutdown to abort their requests on the engine
+_HANDLER_CLEANUP_S = 10.0
 
 
 class WorkerFailed(RuntimeError):
@@ -128,8 +130,9 @@ async def serve(
 ) -> None:
     ctx = WorkerContext(role, engine_config, settings)
     ctx._event_loop = asyncio.get_running_loop()
+    interceptor = WorkerInterceptor(ctx.ready.is_set)
     server = grpc.aio.server(
-        interceptors=[WorkerInterceptor(ctx.ready.is_set)],
+        interceptors=[interceptor],
         options=[
             ("grpc.so_reuseport", 0),
             # the router's channel accepts 64 MiB; a request it passes must not meet a
@@ -198,6 +201,11 @@ async def serve(
         # New calls are refused; in-flight ones get the drain deadline, then are cancelled
         # (their handlers abort their requests and free the blocks).
         await server.stop(grace=grace)
+        # the calls are over, but a cancelled handler's cleanup may still be pending:
+        # it must reach the engine before the engine loop stops
+        left = await interceptor.finish_handlers(_HANDLER_CLEANUP_S)
+        if left:
+            log.info("%s worker stopping: cancelled %d call(s) past the drain", role, left)
         ctx.close()
     if ctx.failure:
         raise WorkerFailed(ctx.failure)

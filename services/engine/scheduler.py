@@ -135,16 +135,8 @@ class Scheduler:
         block), and the caller then finishes the step in flight and calls schedule()."""
         if self.waiting:
             return None
-        members = {id(seq) for seq in in_flight}
-        if any(id(seq) not in members for seq in self.running):
-            return None
-        seqs = [seq for seq in self.running if keep(seq)]
-        if not seqs or len(seqs) > self.max_num_batched_tokens:
-            return None
-        for seq in seqs:
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
-                return None  # blocks taken so far serve these sequences' next steps
-        return seqs
+        seqs = self._next_decode_rows(in_flight, keep, self.max_num_batched_tokens)
+        return seqs or None
 
     def schedule_next_mixed(
         self, in_flight: list[Sequence], keep, admit, max_tokens: int
@@ -154,17 +146,12 @@ class Scheduler:
         whole remaining prompt fits in what max_tokens leaves (a chunked prompt goes
         through schedule()). None when nothing can be admitted this way: the caller
         then finishes the step in flight and calls schedule()."""
-        members = {id(seq) for seq in in_flight}
-        if any(id(seq) not in members for seq in self.running):
+        limit = min(max_tokens, self.max_num_batched_tokens)
+        seqs = self._next_decode_rows(in_flight, keep, limit - 1)
+        if seqs is None:
             return None
-        seqs = [seq for seq in self.running if keep(seq)]
-        budget = min(max_tokens, self.max_num_batched_tokens) - len(seqs)
-        if budget <= 0:
-            return None
+        budget = limit - len(seqs)
         bm = self.block_manager
-        for seq in seqs:
-            if not bm.allocate(seq, seq.num_computed_tokens + 1):
-                return None
         admitted: list[ScheduledSeq] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -182,6 +169,22 @@ class Scheduler:
             admitted.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return (seqs, admitted) if admitted else None
+
+    def _next_decode_rows(self, in_flight: list[Sequence], keep, max_rows: int):
+        """The running sequences for which keep(seq) holds, each given a slot for one
+        more token (possibly none of them); None unless the batch is exactly the one in
+        flight (no sequence joined since), there are at most max_rows of them and every
+        slot was found."""
+        members = {id(seq) for seq in in_flight}
+        if any(id(seq) not in members for seq in self.running):
+            return None
+        seqs = [seq for seq in self.running if keep(seq)]
+        if len(seqs) > max_rows:
+            return None
+        for seq in seqs:
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
+                return None  # blocks taken so far serve these sequences' next steps
+        return seqs
 
     # -- after a step: the scheduler owns every count and block (nano-vllm's postprocess)
 

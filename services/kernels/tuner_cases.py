@@ -9,7 +9,8 @@ import zlib
 
 import torch
 
-from services.kernels.interface import FP8_KV_DTYPE, AttentionMetadata
+from services.kernels.fp8 import fp8_max, platform_fp8_dtype
+from services.kernels.interface import AttentionMetadata
 from services.kernels.shape_classes import DECODE_CLASSES, KernelShapes
 
 
@@ -84,7 +85,7 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
         bs = shapes.block_size
         num_blocks = -(-n // bs) * 2 + 1
         k, v = rand(n, hk, d), rand(n, hk, d)
-        kv_dtype, kv_scales = kv_cache_case(shapes, dtype)
+        kv_dtype, kv_scales = kv_cache_case(shapes, dtype, device)
         if kv_scales:  # FP8: the reference quantizes the very values the candidate sees
             k, v = (t.to(shapes.torch_dtype).to(dtype) for t in (k, v))
         cache = torch.zeros(num_blocks, 2, bs, hk, d, device=device, dtype=kv_dtype)
@@ -97,7 +98,7 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
         q, k_cache, v_cache, meta = attention_batch(cls, shapes, sizes, device, dtype, gen)
         backend.prepare_attention(meta)
         scale = d**-0.5
-        kv_scales = kv_cache_case(shapes, dtype)[1]
+        kv_scales = kv_cache_case(shapes, dtype, device)[1]
 
         def call():
             return backend.paged_attention(q, k_cache, v_cache, meta, scale, *kv_scales)
@@ -108,12 +109,13 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
     return call, out
 
 
-def kv_cache_case(shapes: KernelShapes, dtype) -> tuple[torch.dtype, tuple[float, ...]]:
+def kv_cache_case(shapes: KernelShapes, dtype, device) -> tuple[torch.dtype, tuple[float, ...]]:
     """The KV cache dtype and (k_scale, v_scale) the KV ops are measured with: an FP8
-    cache gets scales other than 1.0 (powers of two: exact in every dtype), so a
-    candidate that ignores them strays from the reference and is rejected."""
+    cache is the FP8 type the engine allocates on this device (fnuz on MI300) and gets
+    scales other than 1.0 (powers of two: exact in every dtype), so a candidate that
+    ignores them strays from the reference and is rejected."""
     if shapes.kv_cache_dtype == "fp8_e4m3":
-        return FP8_KV_DTYPE, (0.5, 2.0)
+        return platform_fp8_dtype(device), (0.5, 2.0)
     return dtype, ()
 
 
@@ -133,8 +135,6 @@ class _Fp8Layer(torch.nn.Module):
 def random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
     """Weights uniform in +-k**-0.5 once dequantized, as dummy FP8 weights are, in the
     FP8 type the model's weights have on this device (fnuz on MI300)."""
-    from services.kernels.fp8 import fp8_max, platform_fp8_dtype
-
     dtype = platform_fp8_dtype(device)
     top = fp8_max(dtype)
     weight = (torch.rand(n, k, generator=gen) * 2 - 1) * top
@@ -164,7 +164,7 @@ def attention_batch(cls, shapes, sizes, device, dtype, gen):
     width = max(per_seq)
     hk, d = shapes.num_kv_heads, shapes.head_dim
     # the engine's block-major cache: per-layer K/V are strided views
-    kv_dtype = kv_cache_case(shapes, dtype)[0]  # FP8: the same bytes for every candidate
+    kv_dtype = kv_cache_case(shapes, dtype, device)[0]  # FP8: the same bytes for every candidate
     kv = (torch.randn(num_blocks, 2, 2, bs, hk, d, generator=gen)).to(device=device, dtype=kv_dtype)
     cu = [0]
     for n in q_lens:

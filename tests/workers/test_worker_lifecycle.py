@@ -105,5 +105,10 @@ def test_new_requests_are_refused_while_draining(model):
                 for _ in stream:
                     pass
         assert decode.proc.wait(30) == 0
+        # its cleanup ran before the engine stopped: no "engine loop has stopped" error
+        time.sleep(0.5)  # the log reader's last lines
+        errors = [line for line in decode.log if " ERROR " in line or "Traceback" in line]
+        assert not errors, errors
+        assert decode.wait_for_log("cancelled 1 call(s) past the drain", 5)
     finally:
         decode.stop()
