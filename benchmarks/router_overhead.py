@@ -1,6 +1,7 @@
 """Latency the router adds: the same streaming requests sent to the router (HTTP + SSE)
-and straight to the decode worker (gRPC), with one prefill and one decode worker on
-this machine. Reports p50 / p99 time to first token and per relayed token.
+and straight to the decode worker, over its unary-stream Generate and over the shared
+GenerateStream the router itself uses, with one prefill and one decode worker on this
+machine. Reports p50 / p99 time to first token and per relayed token.
 
     .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
 """
@@ -21,6 +22,7 @@ import grpc
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.launcher import PDSERVE, Child
+from router.mux import DecodeMux
 
 
 def start_worker(role: str, *args: str, model: str) -> Child:
@@ -73,6 +75,30 @@ async def via_grpc(stub, prefill_addr, i, max_tokens):
     return start, stamps
 
 
+async def via_mux(mux, prefill_addr, i, max_tokens):
+    """The decode worker's GenerateStream, shared by every request, as the router
+    calls it (router/mux.py): the router's own cost is the gap between this and the
+    router path."""
+    req = decode_pb2.GenerateRequest(
+        request_id=f"mux-{i}-{time.monotonic_ns()}",
+        text=f"Request {i}: count from one to ten:",
+        sampling_params=common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ),
+        prefill_address=prefill_addr,
+    )
+    start = time.perf_counter()
+    stamps = []
+    call = mux.open(req, 600)
+    try:
+        async for resp in call:
+            if resp.token_ids:
+                stamps.append(time.perf_counter())
+    finally:
+        call.cancel()
+    return start, stamps
+
+
 def summarize(results):
     ttft = [stamps[0] - start for start, stamps in results if stamps]
     itl = [b - a for _, stamps in results for a, b in zip(stamps, stamps[1:])]
@@ -87,7 +113,7 @@ def summarize(results):
 async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
     """`rounds` waves of n concurrent requests, alternating router and direct gRPC so
     that drift on a shared machine hits both paths alike."""
-    routed, direct = [], []
+    routed, direct, muxed = [], [], []
     async with (
         aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
@@ -95,6 +121,7 @@ async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
         grpc.aio.insecure_channel(decode_addr) as ch,
     ):
         stub = decode_pb2_grpc.DecodeServiceStub(ch)
+        mux = DecodeMux(stub)
         for _ in range(rounds):
             routed += await asyncio.gather(
                 *(via_router(session, url, i, max_tokens) for i in range(n))
@@ -102,7 +129,15 @@ async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
             direct += await asyncio.gather(
                 *(via_grpc(stub, prefill_addr, i, max_tokens) for i in range(n))
             )
-    return summarize(routed), summarize(direct)
+            muxed += await asyncio.gather(
+                *(via_mux(mux, prefill_addr, i, max_tokens) for i in range(n))
+            )
+        await mux.close()
+    return {
+        "router": summarize(routed),
+        "direct gRPC": summarize(direct),
+        "direct GenerateStream": summarize(muxed),
+    }
 
 
 def main() -> None:
@@ -164,16 +199,16 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for n in args.concurrency:
             rounds = args.rounds or max(2, 64 // n)
-            routed, direct = asyncio.run(
+            paths = asyncio.run(
                 run(url, decode.address, prefill.address, n, args.max_tokens, rounds)
             )
-            for name, r in (("router", routed), ("direct gRPC", direct)):
+            for name, r in paths.items():
                 print(
                     f"| {n} | {name} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms "
                     f"| {r['itl_p50_ms']:.1f} ms | {r['itl_p99_ms']:.1f} ms |",
                     flush=True,
                 )
-            print(json.dumps({"streams": n, "router": routed, "direct": direct}), file=sys.stderr)
+            print(json.dumps({"streams": n, **paths}), file=sys.stderr)
     finally:
         router.terminate()
         router.wait(30)

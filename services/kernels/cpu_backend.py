@@ -43,6 +43,7 @@ class CpuSlabBackend(TorchBackend):
         slabs = layer.__dict__.get("_weight_slabs")
         if slabs is None:
             slabs = layer.__dict__["_weight_slabs"] = column_slabs(layer.weight.detach())
-        out = torch.bmm(x.unsqueeze(0).expand(slabs.shape[0], -1, -1), slabs)
-        out = out.transpose(0, 1).reshape(x.shape[0], -1)
+        out = torch.bmm(x.expand(slabs.shape[0], -1, -1), slabs)  # [parts, rows, out / parts]
+        # one row: the parts already lie in output order (a view, no copy)
+        out = out.view(1, -1) if x.shape[0] == 1 else out.transpose(0, 1).reshape(x.shape[0], -1)
         return out if layer.bias is None else out + layer.bias

@@ -22,6 +22,8 @@ from services.kernels.tuner import default_candidates, load_candidates, tune
 
 log = logging.getLogger(__name__)
 
+_MEMO_TOKENS = 256  # token counts whose dispatch is remembered (decode-sized steps)
+
 
 class TunedBackend:
     name = "tuned"
@@ -42,6 +44,7 @@ class TunedBackend:
         self.choices = dict(choices)
         self._fp8 = any(key.startswith("fp8_linear.") for key in choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
+        self._memo: dict[tuple[str, int], object] = {}  # (op, token count) -> backend
         # launch settings the tuner picked with a choice ("op.class" -> config)
         self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
 
@@ -50,7 +53,13 @@ class TunedBackend:
         return mixed_graph_blocker(self.choices, token_counts)
 
     def _by_tokens(self, op: str, num_tokens: int):
-        return self._pick[f"{op}.{token_class(num_tokens)}"]
+        # every op of every layer asks: one dict lookup once a token count was seen
+        backend = self._memo.get((op, num_tokens))
+        if backend is None:
+            backend = self._pick[f"{op}.{token_class(num_tokens)}"]
+            if num_tokens <= _MEMO_TOKENS:
+                self._memo[op, num_tokens] = backend
+        return backend
 
     def linear(self, x, layer):
         # FP8 weights have their own op: their candidates and winners differ
