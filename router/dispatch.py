@@ -78,6 +78,7 @@ class GenerationRun:
         self.queue: asyncio.Queue[Event] = asyncio.Queue(_QUEUE_SIZE)
         self.tasks: list[asyncio.Task] = []
         self.first_token_at: dict[int, float] = {}
+        self._itl = None  # the inter-token latency histogram's child for model_name
         self.pairs: dict[int, str] = {}  # choice -> "decode<-prefill" of its last attempt
         # A client may reuse an X-Request-Id; worker-side ids must be unique.
         base = request_id
@@ -155,7 +156,9 @@ class GenerationRun:
         elif resp.token_ids:
             # a response may carry several tokens: each gets an equal share of the gap
             n = len(resp.token_ids)
-            itl = vllm.itl.labels(self.model_name)
+            itl = self._itl
+            if itl is None:  # the labelled child, looked up once per request
+                itl = self._itl = vllm.itl.labels(self.model_name)
             for _ in range(n):
                 itl.observe((now - self.last_token_at[index]) / n)
         if resp.token_ids:

@@ -12,7 +12,6 @@ worker aborts it and frees its blocks."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
@@ -122,8 +121,10 @@ class MuxedRequest:
         self._session = session
         self._rid = gen.request_id
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._deadline = time.monotonic() + timeout
         self._finished = False
+        # one timer per request, not a timeout per response: at the deadline the
+        # request's queue gets the error, after whatever already arrived
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout), self._expire)
         session.requests[self._rid] = self._queue
         session.outgoing.put_nowait(
             decode_pb2.GenerateStreamRequest(start=gen, timeout_seconds=timeout)
@@ -135,17 +136,12 @@ class MuxedRequest:
     async def __anext__(self) -> decode_pb2.GenerateResponse:
         if self._finished:
             raise StopAsyncIteration
-        try:
-            async with asyncio.timeout_at(self._loop_deadline()):
-                item = await self._queue.get()
-        except TimeoutError:
-            self._finished = True
-            raise WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        item = await self._queue.get()
         if isinstance(item, WorkerCallError):
-            self._finished = True
+            self._end()
             raise item
         if item.finish_reason:
-            self._finished = True
+            self._end()
         return item
 
     def cancel(self) -> None:
@@ -153,8 +149,14 @@ class MuxedRequest:
         if session.requests.pop(self._rid, None) is not None and not self._finished:
             if session.closed is None:
                 session.outgoing.put_nowait(decode_pb2.GenerateStreamRequest(cancel=self._rid))
-        self._finished = True
+        self._end()
 
-    def _loop_deadline(self) -> float:
-        loop = asyncio.get_running_loop()
-        return loop.time() + max(0.0, self._deadline - time.monotonic())
+    def _expire(self) -> None:
+        if not self._finished:
+            self._queue.put_nowait(
+                WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            )
+
+    def _end(self) -> None:
+        self._finished = True
+        self._timer.cancel()
