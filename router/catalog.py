@@ -148,7 +148,7 @@ SCALARS = {
     },
 }
 # Lists and objects: checked by their own code (protocol.py, prompts.py, tools.py,
-# structured.py) and described by hand in router/openapi.py.
+# structured.py) and described by hand in router/request_schemas.py.
 _COMPOUND_COMMON = (
     "stop", "stop_token_ids", "stream_options", "logit_bias", "bad_words",
     "allowed_token_ids", "response_format", *structured.FIELDS,
