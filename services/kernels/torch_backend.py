@@ -187,6 +187,11 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         return None
     if k.data_ptr() != q.data_ptr() + heads * dim * q.element_size():
         return None
+    # adjacent is not enough: two allocations can sit back to back (CUDA's caching
+    # allocator does that to q_norm's and k_norm's outputs), and a view over q's storage
+    # may not reach into another storage
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
     return q.as_strided((1, heads + k.shape[1], dim), (dim * (heads + k.shape[1]), dim, 1))
 
 
