@@ -120,6 +120,13 @@ class ModelRunner:
                 self.ranks = TPRanks(type(self), config, model_path, max_model_len)
             tp = self.ranks.group
         self.tp = tp or TPGroup()
+        try:
+            self._load(config, hf_config, model_path, max_model_len, phases)
+        except BaseException:
+            self.close()  # no tensor-parallel rank outlives a checkpoint it refused
+            raise
+
+    def _load(self, config, hf_config, model_path, max_model_len: int, phases) -> None:
         with phases.phase("weights"):
             self.model = load_model(
                 hf_config,
@@ -222,7 +229,7 @@ class ModelRunner:
         self.graph_runner = CUDAGraphRunner(
             self.model,
             self.ops,
-            max_batch=min(c.max_num_seqs, c.cuda_graph_max_batch),
+            max_batch=self._decode_graph_max_batch(),
             max_model_len=max_model_len,
             block_size=c.block_size,
             device=self.device,
@@ -234,6 +241,16 @@ class ModelRunner:
             pool = self.mixed_graphs.capture() if self.mixed_graphs is not None else None
             self.graph_runner.pool = pool
             self.graph_runner.capture()
+
+    def _decode_graph_max_batch(self) -> int:
+        c = self.config
+        max_batch = min(c.max_num_seqs, c.cuda_graph_max_batch)
+        check = getattr(self.ops, "graph_blocker", None)
+        reason = None if max_batch <= 256 or check is None else check([max_batch])
+        if reason is not None:
+            log.warning("decode batches over 256 run eagerly: %s", reason)
+            return 256
+        return max_batch
 
     def _mixed_graphs(self, max_model_len: int) -> MixedGraphs | None:
         c = self.config

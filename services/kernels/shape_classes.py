@@ -81,6 +81,13 @@ def mixed_graph_blocker(choices: dict[str, str], token_counts) -> str | None:
     attention = choices.get("paged_attention.mixed")
     if attention not in MIXED_GRAPH_ATTENTION:
         return f"paged_attention.mixed runs on {attention!r}, not {MIXED_GRAPH_ATTENTION}"
+    return graph_blocker(choices, token_counts)
+
+
+def graph_blocker(choices: dict[str, str], token_counts) -> str | None:
+    """Why a captured step of these token counts would run a pick that cannot be
+    captured (decode batches past the largest decode class take the prefill class's
+    picks, which an explicit override may have set to one), or None."""
     classes = {token_class(n) for n in token_counts}
     for key, name in sorted(choices.items()):
         op, _, cls = key.partition(".")
@@ -132,7 +139,8 @@ def token_class(num_tokens: int) -> str:
 
 def attention_class(metadata: AttentionMetadata) -> str:
     if metadata.max_query_len == 1:
-        # beyond 256 sequences (never captured) the largest decode class still fits
+        # beyond 256 sequences the largest decode class still fits (its picks are
+        # capture-safe, as graphs of up to --max-cudagraph-capture-size need)
         return token_class(min(metadata.block_tables.shape[0], 256))
     cu = metadata.cu_seqlens_q_cpu
     if cu is not None and all(b - a > 1 for a, b in zip(cu, cu[1:])):

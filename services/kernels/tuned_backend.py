@@ -14,6 +14,7 @@ from services.kernels.shape_classes import (
     KernelShapes,
     all_keys,
     attention_class,
+    graph_blocker,
     mixed_graph_blocker,
     parse_choices,
     token_class,
@@ -51,6 +52,10 @@ class TunedBackend:
     def mixed_graph_blocker(self, token_counts) -> str | None:
         """Why mixed steps of these token counts cannot run as CUDA graphs here."""
         return mixed_graph_blocker(self.choices, token_counts)
+
+    def graph_blocker(self, token_counts) -> str | None:
+        """Why decode steps of these token counts cannot run as CUDA graphs here."""
+        return graph_blocker(self.choices, token_counts)
 
     def _by_tokens(self, op: str, num_tokens: int):
         # every op of every layer asks: one dict lookup once a token count was seen

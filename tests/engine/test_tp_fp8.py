@@ -5,6 +5,8 @@ that TP would split inside a scale block is refused by name."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from services.engine import LLM, SamplingParams
@@ -108,6 +110,9 @@ def test_block_split_inside_a_scale_block_is_refused(block_fp8):  # noqa: F811
     # MLP width 640: 320 rows per rank, not a multiple of the 128-row scale blocks
     with pytest.raises(ValueError, match="weight_block_size"):
         LLM(str(block_fp8[0]), tensor_parallel_size=2)
+    # the refusal comes while loading weights, after rank 1 started: it is stopped too
+    # (left running, its process group aborted this test process at exit)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
 
 
 TOL_SAME_GROUPS = 1e-3
