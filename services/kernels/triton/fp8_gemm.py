@@ -73,13 +73,16 @@ def _quant_act_kernel(
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX_
+    # correctly rounded divisions (div_rn): Triton's `/` on fp32 is an approximate
+    # divide on NVIDIA, and a quotient one ulp off lands on the other side of an e4m3
+    # rounding boundary often enough to move logprobs by 1e-2 against torch's quantizer
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX_)
     tl.store(s_ptr + row * stride_sm + g, scale)
     for c in range(0, GROUP, CHUNK):
         cols = start + c + tl.arange(0, CHUNK)
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
         if ROUND_IN_FP32:
             q = _round_to_e4m3(q)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
