@@ -73,6 +73,40 @@ def model_dir(config_path: str) -> Path:
     return d
 
 
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+    """The serving benchmark's workload without the router and gRPC: `concurrency`
+    requests in flight, a new prompt added as soon as one finishes, until all are done.
+    What the engine alone delivers on the work `serving_bench.py --max-concurrency`
+    sends, prefills of the arriving prompts included."""
+    from services.engine import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.block_manager.reset_prefix_cache()
+    added = done = steps = 0
+    while added < min(concurrency, len(prompts)):
+        engine.add_request(f"loop-{added}", prompts[added], sp)
+        added += 1
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while done < len(prompts):
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                if added < len(prompts):
+                    engine.add_request(f"loop-{added}", prompts[added], sp)
+                    added += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    return {
+        "concurrency": concurrency,
+        "prompts": len(prompts),
+        "seconds": dt,
+        "output_tokens_per_s": len(prompts) * output_len / dt,
+        "ms_per_step": dt / steps * 1e3,
+    }
+
+
 def main() -> None:
     from services.engine import LLM, SamplingParams
 
@@ -104,8 +138,20 @@ def main() -> None:
         action="store_true",
         help="at batch 1: time the decode graph replay alone and list the top kernels",
     )
+    ap.add_argument(
+        "--closed-loop",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="C",
+        help="also run serving_bench's workload on the engine alone at these concurrencies: "
+        "3 x C prompts of --input-len tokens, --output-len tokens each",
+    )
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    max_seqs = max(args.batch + args.closed_loop)
 
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
@@ -119,7 +165,8 @@ def main() -> None:
         kernel_choices=args.kernel_choices,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=max(args.batch),
+        max_num_seqs=max_seqs,
+        cuda_graph_max_batch=max_seqs,
         max_num_batched_tokens=max(8192, args.prefill_len),
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
@@ -152,6 +199,7 @@ def main() -> None:
         "weights": f"{quant} ({fp8_bytes / 1e9:.2f} GB in FP8)" if quant else "bfloat16",
         "async_scheduling": engine.config.async_scheduling_enabled,
         "decode": [],
+        "closed_loop": [],
         "prefill": None,
     }
     print(
@@ -200,6 +248,20 @@ def main() -> None:
         print(
             f"decode batch {b:4d} ctx {args.ctx}: {step * 1e3:8.2f} ms/step "
             f"{b / step:9.0f} tok/s  MBU {mbu:.2%}  ({step * 1e3 / floor_ms:.2f}x the floor)",
+            flush=True,
+        )
+
+    for c in args.closed_loop:
+        prompts = [
+            torch.randint(10, vocab - 10, (args.input_len,), generator=gen).tolist()
+            for _ in range(3 * c)
+        ]
+        closed_loop(engine, prompts[:c], c, args.output_len)  # warm-up: the same shapes
+        row = closed_loop(engine, prompts, c, args.output_len)
+        results["closed_loop"].append(row)
+        print(
+            f"closed loop {c:4d} x {args.input_len} -> {args.output_len}: "
+            f"{row['output_tokens_per_s']:9.0f} output tok/s, {row['ms_per_step']:.2f} ms/step",
             flush=True,
         )
 
