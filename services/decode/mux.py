@@ -28,20 +28,35 @@ _MAX_RESPONSES_PER_MESSAGE = 4096  # a step's responses are small; bounds one me
 
 
 class Outbox:
-    """The messages not yet written: responses appended in the order they happen."""
+    """The messages not yet written: responses appended in the order they happen.
+
+    A request has at most one response waiting here: while the reader is behind (the
+    gRPC write waits on flow control), a request's later news is merged into the
+    response already waiting, as vLLM merges the outputs of a slow consumer. Each step
+    then costs the router one response per request however far behind it is, instead of
+    one per token, and falling behind does not compound."""
 
     def __init__(self):
         self._messages: list[decode_pb2.GenerateStreamResponse] = []
         self._sealed = True  # the last message takes no more (start a new one)
+        self._waiting: dict[str, decode_pb2.GenerateResponse] = {}  # request id -> unsent
         self.ready = asyncio.Event()
+        self.merged = 0  # responses that joined one already waiting (tests, benchmarks)
 
-    def response(self) -> decode_pb2.GenerateResponse:
-        """A new, empty response in the next message, for the caller to fill."""
+    def response(self, request_id: str) -> decode_pb2.GenerateResponse:
+        """The response to fill for this request: the one still waiting to be written,
+        or a new one in the next message. The caller appends (ResponseBuilder.fill)."""
         self.ready.set()
-        return self._open().responses.add()
+        resp = self._waiting.get(request_id)
+        if resp is not None:
+            self.merged += 1
+            return resp
+        resp = self._waiting[request_id] = self._open().responses.add()
+        return resp
 
     def error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         self.ready.set()
+        self._waiting.pop(request_id, None)  # nothing joins a response before its error
         self._open().errors.add(request_id=request_id, code=code.value[0], message=message)
 
     def seal(self) -> None:
@@ -51,6 +66,7 @@ class Outbox:
     def take(self) -> list[decode_pb2.GenerateStreamResponse]:
         self.ready.clear()
         messages, self._messages, self._sealed = self._messages, [], True
+        self._waiting.clear()
         return messages
 
     def _open(self) -> decode_pb2.GenerateStreamResponse:
@@ -86,7 +102,7 @@ class OutboxSink:
         if self.done.done():
             return
         if isinstance(item, asyncio.CancelledError):  # Abort()
-            self.builder.fill_aborted(self.outbox.response())
+            self.builder.fill_aborted(self.outbox.response(self.builder.rid))
             self.done.set_result(False)
         elif isinstance(item, BaseException):
             error = EngineFailedError(f"engine failed: {item}")
@@ -94,7 +110,7 @@ class OutboxSink:
             self.done.set_exception(error)
         else:
             first = self.builder.sent_tokens == 0
-            self.builder.fill(item, self.outbox.response())
+            self.builder.fill(item, self.outbox.response(self.builder.rid))
             if first and (item.prompt_logprobs is not None or self.builder.request.return_prompt):
                 self.outbox.seal()  # a first response can be large: let it go alone
             if item.finished:

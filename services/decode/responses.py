@@ -23,14 +23,15 @@ class ResponseBuilder:
         self.sent_chars = 0
 
     def fill(self, out: RequestOutput, resp: decode_pb2.GenerateResponse) -> None:
-        """Write out's news into resp (a fresh message, possibly a repeated field's)."""
+        """Append out's news to resp: a fresh response, or this request's response not
+        yet written (the Outbox merges while the reader is behind)."""
         completion = out.output
         first = self.sent_tokens == 0
         new_ids = completion.token_ids[self.sent_tokens :]
         resp.request_id = self.rid
         resp.token_ids.extend(new_ids)
         text = completion.text[self.sent_chars :]
-        resp.text = text
+        resp.text += text
         params = self.params
         if params.logprobs is not None and completion.logprobs:
             for tid, entry in zip(new_ids, completion.logprobs[self.sent_tokens :]):

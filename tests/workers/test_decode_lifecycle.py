@@ -32,9 +32,9 @@ async def _collect(responses, slow_first: asyncio.Event | None = None):
 def test_serve_one_yields_every_response_then_raises_the_error():
     async def generate(request, outbox):
         for i in range(3):
-            outbox.response().token_ids.append(i)
+            outbox.response(request.request_id).token_ids.append(i)
             await asyncio.sleep(0)
-        outbox.response().token_ids.append(3)  # written just before the failure
+        outbox.response(request.request_id).token_ids.append(3)  # written just before the failure
         raise EngineFailedError("engine failed: boom")
 
     async def main():
@@ -52,9 +52,9 @@ def test_serve_one_keeps_the_last_response_of_a_request_ending_during_a_write():
         written = asyncio.Event()
 
         async def generate(request, outbox):
-            outbox.response().token_ids.append(1)
+            outbox.response(request.request_id).token_ids.append(1)
             await written.wait()
-            outbox.response().finish_reason = 1
+            outbox.response(request.request_id).finish_reason = 1
 
         got = await _collect(serve_one(generate, _request("r")), written)
         return [(list(r.token_ids), r.finish_reason) for r in got]
@@ -68,7 +68,7 @@ def test_closing_serve_one_cancels_the_request_and_waits_for_its_cleanup():
 
         async def generate(request, outbox):
             try:
-                outbox.response().token_ids.append(1)
+                outbox.response(request.request_id).token_ids.append(1)
                 started.set()
                 await asyncio.sleep(60)
             finally:
@@ -91,9 +91,9 @@ def test_mux_keeps_the_last_response_of_a_request_ending_during_a_write():
         written = asyncio.Event()
 
         async def generate(start, outbox):
-            outbox.response().token_ids.append(1)
+            outbox.response(start.request_id).token_ids.append(1)
             await written.wait()
-            outbox.response().finish_reason = 1
+            outbox.response(start.request_id).finish_reason = 1
 
         async def requests():
             start = decode_pb2.GenerateStreamRequest(start=_request("r"))
