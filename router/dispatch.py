@@ -31,6 +31,7 @@ from router.responses import FINISH_REASONS
 
 _QUEUE_SIZE = 1024  # responses buffered per request before the workers' streams wait
 _EVENT_MARGIN_S = 5.0
+_OVERDUE = object()  # queued by the run's timer when it is past its deadline + margin
 
 
 @dataclass
@@ -79,6 +80,8 @@ class GenerationRun:
         self.tasks: list[asyncio.Task] = []
         self.first_token_at: dict[int, float] = {}
         self._itl = None  # the inter-token latency histogram's child for model_name
+        self._overdue = False
+        self._timer: asyncio.TimerHandle | None = None
         self.pairs: dict[int, str] = {}  # choice -> "decode<-prefill" of its last attempt
         # A client may reuse an X-Request-Id; worker-side ids must be unique.
         base = request_id
@@ -88,6 +91,10 @@ class GenerationRun:
 
     async def __aenter__(self) -> GenerationRun:
         self.d._active.add(self.base_id)
+        # one timer for the run, not a timeout per event (a task and a timer per token)
+        self._timer = asyncio.get_running_loop().call_at(
+            self.deadline + _EVENT_MARGIN_S, self._past_deadline
+        )
         self.tasks = [
             asyncio.create_task(self._guarded_choice(i), name=f"{self.request_id}/{i}")
             for i in range(self.req.num_choices)
@@ -111,7 +118,18 @@ class GenerationRun:
                 Event(index, error=APIError(500, f"internal router error ({self.request_id})"))
             )
 
+    def _past_deadline(self) -> None:
+        self._overdue = True
+        if self.queue.empty():  # wake events() if it waits; else it sees the flag
+            self.queue.put_nowait(_OVERDUE)
+
+    def has_event(self) -> bool:
+        """Whether events() has its next event at hand (a writer may batch until not)."""
+        return not self.queue.empty()
+
     async def __aexit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -122,11 +140,9 @@ class GenerationRun:
         left = self.req.num_choices
         while left:
             # every choice ends by the request deadline (its gRPC call carries it); the
-            # margin only guards against a choice that never reports, which is a bug
-            wait = max(0.0, self.deadline - time.monotonic()) + _EVENT_MARGIN_S
-            try:
-                ev = await asyncio.wait_for(self.queue.get(), wait)
-            except TimeoutError:
+            # margin only guards against a choice that never reports, which is a bug:
+            # past it, what has arrived is still passed on, then the run ends
+            if self._overdue and self.queue.empty():
                 self.log.error("%d choice(s) never reported by the request deadline", left)
                 yield Event(
                     -1,
@@ -135,6 +151,9 @@ class GenerationRun:
                     ),
                 )
                 return
+            ev = await self.queue.get()
+            if ev is _OVERDUE:
+                continue
             now = time.monotonic()
             if ev.resp is not None:
                 self._observe_tokens(ev.index, ev.resp, now)

@@ -158,23 +158,28 @@ async def _stream(request: web.Request, run, builder: ResponseBuilder) -> web.St
             raise ev.error
         resp = web.StreamResponse(headers={**sse.HEADERS, HEADER: request[REQUEST_ID]})
         await resp.prepare(request)
+        # Events already waiting go out in one write (one send, not one per token):
+        # a router behind its workers catches up instead of paying per event.
+        pending: list[bytes] = []
         try:
             while True:
                 if ev.error is not None:
                     state.metrics.stream_errors.inc()
                     request[REQUEST_LOG].warning("stream ended by an error: %s", ev.error.message)
-                    await resp.write(sse.event(ev.error.body()))
+                    pending.append(sse.event(ev.error.body()))
                     break
-                out = b"".join(sse.event(c) for c in builder.chunks(ev.index, ev.resp))
-                if out:
-                    await resp.write(out)
+                pending.extend(sse.event(c) for c in builder.chunks(ev.index, ev.resp))
+                if pending and not run.has_event():
+                    await resp.write(b"".join(pending))
+                    pending.clear()
                 try:
                     ev = await anext(events)
                 except StopAsyncIteration:
                     if builder.req.include_usage:
-                        await resp.write(sse.event(builder.usage_chunk()))
+                        pending.append(sse.event(builder.usage_chunk()))
                     break
-            await resp.write(sse.DONE)
+            pending.append(sse.DONE)
+            await resp.write(b"".join(pending))
             await resp.write_eof()
         except ConnectionResetError:
             request[REQUEST_LOG].info("client disconnected mid-stream; worker requests cancelled")
