@@ -50,6 +50,12 @@ class WorkerMetrics:
             "(its blocks were reused while a write could still land)",
             registry=self.registry,
         )
+        self.merged_responses = Counter(
+            "pdserve_merged_responses",
+            "Responses merged into one not yet written because the reader (the router) was "
+            "behind the engine; steadily rising: the router is the bottleneck",
+            registry=self.registry,
+        )
         self.running = Gauge(
             "pdserve_running_requests", "Running sequences", registry=self.registry
         )

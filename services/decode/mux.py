@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -36,7 +37,8 @@ class Outbox:
     then costs the router one response per request however far behind it is, instead of
     one per token, and falling behind does not compound."""
 
-    def __init__(self):
+    def __init__(self, on_merge: Callable[[], None] | None = None):
+        self._on_merge = on_merge  # counts merges (the worker's pdserve_merged_responses)
         self._messages: list[decode_pb2.GenerateStreamResponse] = []
         self._sealed = True  # the last message takes no more (start a new one)
         self._waiting: dict[str, decode_pb2.GenerateResponse] = {}  # request id -> unsent
@@ -50,6 +52,8 @@ class Outbox:
         resp = self._waiting.get(request_id)
         if resp is not None:
             self.merged += 1
+            if self._on_merge is not None:
+                self._on_merge()
             return resp
         resp = self._waiting[request_id] = self._open().responses.add()
         return resp
@@ -117,13 +121,13 @@ class OutboxSink:
                 self.done.set_result(True)
 
 
-async def serve_one(generate, request):
+async def serve_one(generate, request, on_merge: Callable[[], None] | None = None):
     """Generate: one request on its own stream, run by the same lifecycle as each of
     GenerateStream's (`generate(request, outbox)`). Its responses are yielded one by one
     as they come; its error is raised after them, for the interceptor to turn into the
     call's status. Cancelling the call (caller gone, its deadline) cancels the request,
     whose own `finally` frees its blocks before the call ends."""
-    outbox = Outbox()
+    outbox = Outbox(on_merge)
     task = asyncio.create_task(generate(request, outbox), name=f"generate/{request.request_id}")
     task.add_done_callback(lambda _: outbox.ready.set())
     try:
@@ -145,9 +149,9 @@ class MuxSession:
     """One GenerateStream call. `generate(start, outbox)` is the servicer's request
     lifecycle, writing into the outbox through an OutboxSink."""
 
-    def __init__(self, generate):
+    def __init__(self, generate, on_merge: Callable[[], None] | None = None):
         self._generate = generate
-        self.outbox = Outbox()
+        self.outbox = Outbox(on_merge)
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def serve(self, request_iterator):

@@ -101,13 +101,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Generate(self, request, context):
         """One request, its responses on their own stream: the lifecycle below."""
         # closed with the call, not when collected: its `finally` frees the request
-        async with contextlib.aclosing(serve_one(self._generate_into, request)) as responses:
+        async with contextlib.aclosing(
+            serve_one(self._generate_into, request, self.ctx.metrics.merged_responses.inc)
+        ) as responses:
             async for response in responses:
                 yield response
 
     async def GenerateStream(self, request_iterator, context):
         """Many requests over one stream, a message per engine step (mux.py)."""
-        session = MuxSession(self._generate_into)
+        session = MuxSession(self._generate_into, self.ctx.metrics.merged_responses.inc)
         async with contextlib.aclosing(session.serve(request_iterator)) as messages:
             async for message in messages:
                 yield message

@@ -37,7 +37,8 @@ def _responses(messages):
 
 def test_a_reader_behind_gets_one_response_per_request_with_all_news():
     async def run():
-        outbox = Outbox()
+        counted = []
+        outbox = Outbox(on_merge=lambda: counted.append(1))  # the worker's metric's inc
         a, b = _sink("a", outbox), _sink("b", outbox)
         a.put_nowait(_output("a", [5], "x"))
         b.put_nowait(_output("b", [7], "p"))
@@ -64,6 +65,7 @@ def test_a_reader_behind_gets_one_response_per_request_with_all_news():
         assert (list(merged.token_ids), merged.text) == ([4, 3], "rs")
         assert merged.finish_reason == common_pb2.FINISH_REASON_STOP
         assert merged.usage.completion_tokens == 4
+        assert outbox.merged == len(counted) == 3
 
     asyncio.run(run())
 

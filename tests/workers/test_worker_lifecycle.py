@@ -53,6 +53,7 @@ def test_metrics_and_incompatible_pair(model):
         assert "pdserve_kv_transfer_bytes_total" in text
         text = _metrics(_metrics_port(decode))
         assert 'pdserve_worker_requests_total{outcome="ok"} 1.0' in text
+        assert "pdserve_merged_responses_total" in text  # the router-behind signal
     finally:
         for w in (prefill, odd_decode, decode):
             w.stop()
