@@ -618,6 +618,7 @@ def test_grafana_dashboard_configmap():
         "pdserve_kv_transfer_bytes_total",
         "pdserve_prefill_fallbacks_total",
         "pdserve_router_worker_num_free_blocks",
+        "pdserve_merged_responses_total",
     ):
         assert metric in exprs, metric
     # a label the sidecar does not know cannot be a number
