@@ -43,7 +43,6 @@ class Outbox:
         self._sealed = True  # the last message takes no more (start a new one)
         self._waiting: dict[str, decode_pb2.GenerateResponse] = {}  # request id -> unsent
         self.ready = asyncio.Event()
-        self.merged = 0  # responses that joined one already waiting (tests, benchmarks)
 
     def response(self, request_id: str) -> decode_pb2.GenerateResponse:
         """The response to fill for this request: the one still waiting to be written,
@@ -51,7 +50,6 @@ class Outbox:
         self.ready.set()
         resp = self._waiting.get(request_id)
         if resp is not None:
-            self.merged += 1
             if self._on_merge is not None:
                 self._on_merge()
             return resp

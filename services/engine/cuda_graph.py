@@ -17,11 +17,25 @@ import logging
 import torch
 
 from services.kernels import AttentionMetadata
+from services.kernels.shape_classes import DECODE_CLASSES
 
 log = logging.getLogger(__name__)
 
 # tuned: its tuner only considers capture-safe candidates for decode-sized batches
 GRAPH_BACKENDS = ("triton", "aiter", "tuned")
+
+
+def decode_graph_max_batch(max_batch: int, ops) -> int:
+    """The largest decode batch to capture. Past the largest decode class a batch takes
+    the prefill class's picks; if the backend says one of them cannot be captured (an
+    explicit override), graphs stop at that class, logged, rather than fail to capture."""
+    largest = max(DECODE_CLASSES.values())
+    check = getattr(ops, "graph_blocker", None)
+    reason = None if max_batch <= largest or check is None else check([max_batch])
+    if reason is not None:
+        log.warning("decode batches over %d run eagerly: %s", largest, reason)
+        return largest
+    return max_batch
 
 
 def capture_sizes(max_batch: int) -> list[int]:

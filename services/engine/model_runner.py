@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner
+from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner, decode_graph_max_batch
 from services.engine.mixed_graph import MixedGraphs, mixed_capture_sizes
 from services.engine.sampler import (
     DeviceTokens,
@@ -229,7 +229,7 @@ class ModelRunner:
         self.graph_runner = CUDAGraphRunner(
             self.model,
             self.ops,
-            max_batch=self._decode_graph_max_batch(),
+            max_batch=decode_graph_max_batch(min(c.max_num_seqs, c.cuda_graph_max_batch), self.ops),
             max_model_len=max_model_len,
             block_size=c.block_size,
             device=self.device,
@@ -241,16 +241,6 @@ class ModelRunner:
             pool = self.mixed_graphs.capture() if self.mixed_graphs is not None else None
             self.graph_runner.pool = pool
             self.graph_runner.capture()
-
-    def _decode_graph_max_batch(self) -> int:
-        c = self.config
-        max_batch = min(c.max_num_seqs, c.cuda_graph_max_batch)
-        check = getattr(self.ops, "graph_blocker", None)
-        reason = None if max_batch <= 256 or check is None else check([max_batch])
-        if reason is not None:
-            log.warning("decode batches over 256 run eagerly: %s", reason)
-            return 256
-        return max_batch
 
     def _mixed_graphs(self, max_model_len: int) -> MixedGraphs | None:
         c = self.config

@@ -31,7 +31,7 @@ def test_a_pick_that_cannot_be_captured_keeps_large_batches_eager(caplog):
     the capture."""
     from types import SimpleNamespace
 
-    from services.engine.model_runner import ModelRunner
+    from services.engine.cuda_graph import decode_graph_max_batch
     from services.kernels.shape_classes import graph_blocker
 
     safe = {"store_kv_cache.prefill": "triton", "paged_attention.mixed": "sdpa"}
@@ -40,14 +40,11 @@ def test_a_pick_that_cannot_be_captured_keeps_large_batches_eager(caplog):
     assert "store_kv_cache.prefill" in graph_blocker(unsafe, [512])
     assert graph_blocker(unsafe, [256]) is None  # decode classes only
 
-    def runner(picks, max_num_seqs=512):
-        r = ModelRunner.__new__(ModelRunner)
-        r.config = SimpleNamespace(max_num_seqs=max_num_seqs, cuda_graph_max_batch=512)
-        r.ops = SimpleNamespace(graph_blocker=lambda counts: graph_blocker(picks, counts))
-        return r
+    def ops(picks):
+        return SimpleNamespace(graph_blocker=lambda counts: graph_blocker(picks, counts))
 
-    assert runner(safe)._decode_graph_max_batch() == 512
-    assert runner(unsafe, max_num_seqs=200)._decode_graph_max_batch() == 200
+    assert decode_graph_max_batch(512, ops(safe)) == 512
+    assert decode_graph_max_batch(200, ops(unsafe)) == 200
     with caplog.at_level("WARNING"):
-        assert runner(unsafe)._decode_graph_max_batch() == 256
+        assert decode_graph_max_batch(512, ops(unsafe)) == 256
     assert "decode batches over 256 run eagerly: store_kv_cache.prefill" in caplog.text

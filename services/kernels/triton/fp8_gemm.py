@@ -73,9 +73,9 @@ def _quant_act_kernel(
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # correctly rounded divisions (div_rn): Triton's `/` on fp32 is an approximate
-    # divide on NVIDIA, and a quotient one ulp off lands on the other side of an e4m3
-    # rounding boundary often enough to move logprobs by 1e-2 against torch's quantizer
+    # correctly rounded divisions (div_rn), as torch's quantizer divides: Triton's `/`
+    # on fp32 is an approximate divide on NVIDIA, and a quotient one ulp off can land on
+    # the other side of an e4m3 rounding boundary
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX_)
     tl.store(s_ptr + row * stride_sm + g, scale)
     for c in range(0, GROUP, CHUNK):
