@@ -216,7 +216,12 @@ def main() -> None:
         prompts = [
             torch.randint(10, vocab - 10, (args.ctx,), generator=gen).tolist() for _ in range(b)
         ]
-        sp = SamplingParams(temperature=0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+        # Prompts prefill a few per step (max_num_batched_tokens), and the first ones
+        # decode meanwhile: room for those steps, so none finishes before the timing ends.
+        prefill_steps = -(-b * args.ctx // engine.config.max_num_batched_tokens) + b
+        sp = SamplingParams(
+            temperature=0, max_tokens=args.decode_steps + 8 + prefill_steps, ignore_eos=True
+        )
         for i, p in enumerate(prompts):
             engine.add_request(f"b{b}-{i}", p, sp)
         while any(
@@ -226,12 +231,28 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         t = time.perf_counter()
+        running = []
         for _ in range(args.decode_steps):
             engine.step()
+            running.append(len(engine.scheduler.running))
         torch.cuda.synchronize()
         step = (time.perf_counter() - t) / args.decode_steps
+        if min(running) < b:  # the KV cache holds fewer: the row would overstate
+            print(
+                f"decode batch {b}: only {min(running)}-{max(running)} sequences ran at once "
+                f"(KV cache: {engine.block_manager.num_blocks} blocks of "
+                f"{engine.config.block_size} tokens); row left out",
+                flush=True,
+            )
+            for i in range(b):
+                engine.abort_request(f"b{b}-{i}")
+            while engine.has_unfinished_requests():
+                engine.step()
+            continue
         if args.profile and b == 1:
             results["profile_b1"] = profile_decode(engine, args.decode_steps)
+        for i in range(b):  # the margin above is not needed any more
+            engine.abort_request(f"b{b}-{i}")
         while engine.has_unfinished_requests():
             engine.step()
         kv_bytes = b * (args.ctx + 8) * kv_token_bytes

@@ -79,7 +79,11 @@ def fake_quant_activations(hf, group: int | None, skip=(), dtype=FP8):
         xf = x.reshape(-1, k).float()
         pad = -k % g
         xp = torch.nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, g)
-        scale = xp.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+        # divided by a tensor: on CUDA torch divides by a Python number through its
+        # reciprocal, one ulp off the correctly rounded scale the kernels use
+        scale = xp.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.tensor(
+            top, device=x.device
+        )
         deq = (xp / scale).clamp(-top, top).to(dtype).float() * scale
         return (deq.view(xf.shape[0], -1)[:, :k].view(shape).to(x.dtype),)
 
@@ -165,14 +169,20 @@ def prompts():
     return [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 16, 17, 40, 100, 150, 230)]
 
 
-def compare(llm, reference, group, skip=()):
+def compare(llm, reference, group, skip=(), device="cpu"):
     """The acceptance of the module doc, for an engine on a quantized checkpoint and
     transformers on its dequantized twin `reference`; `group`: the activation groups
-    (None: per token), `skip`: transformers modules the checkpoint leaves unquantized."""
+    (None: per token), `skip`: transformers modules the checkpoint leaves unquantized,
+    `device`: where transformers runs (the engine's, so the fp32 activations that FP8
+    rounds come from the same kind of arithmetic)."""
     prompt_ids = prompts()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
     outs = llm.generate(prompt_ids, params)
-    hf = hf_load(reference)
+
+    def load():
+        return hf_load(reference).to(device)
+
+    hf = load()
     agree, worst = 0, 0.0
     for prompt, out in zip(prompt_ids, outs):
         tokens = out.output.token_ids
@@ -183,7 +193,7 @@ def compare(llm, reference, group, skip=()):
     assert worst <= LOGPROB_TOL, f"logprob differs by {worst:.3g} nats"
     assert agree >= 7, f"greedy tokens equal on {agree}/8 prompts only"
     # the same weights and the same activation quantization in transformers: exact
-    emulated = fake_quant_activations(hf_load(reference), group, skip)
+    emulated = fake_quant_activations(load(), group, skip)
     for prompt, out in zip(prompt_ids, outs):
         tokens = out.output.token_ids
         assert tokens == hf_greedy(emulated, prompt, MAX_TOKENS, ignore_eos=True)
@@ -191,7 +201,7 @@ def compare(llm, reference, group, skip=()):
         for pos, (token, entry) in enumerate(zip(tokens, out.output.logprobs)):
             assert entry[token].logprob == pytest.approx(ref_lp[pos, token].item(), abs=1e-3)
     # the projections matter: without them (transformers, zeroed) the tokens change
-    plain = hf_load(reference)
+    plain = load()
     with torch.no_grad():
         for name, p in plain.named_parameters():
             if is_proj(name):

@@ -30,8 +30,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: boo
 @torch.inference_mode()
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at every position: [len, vocab]."""
-    logits = model(torch.tensor([token_ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+    logits = model(torch.tensor([token_ids], device=model.device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 # what every small random test model shares

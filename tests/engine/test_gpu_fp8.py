@@ -75,9 +75,11 @@ def test_compressed_tensors_cuda_graphs_equal_eager(compressed_tensors, backend)
     _graphs_equal_eager(compressed_tensors[1], backend)
 
 
-def test_block_fp8_on_gpu_tracks_transformers(block_fp8):  # noqa: F811
-    """fp32 activations on the GPU: the Triton FP8 GEMM, compared as on the CPU."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_fp8_on_gpu_tracks_transformers(block_fp8, backend):  # noqa: F811
+    """fp32 activations on the GPU: the dequantizing reference (torch) and the Triton
+    FP8 kernels, compared as on the CPU, with transformers on the GPU too."""
     pytest.importorskip("triton")
     qdir, reference = block_fp8
-    llm = LLM(str(qdir), device="cuda", dtype="float32", kernel_backend="triton")
-    compare(llm, reference, group=128)
+    llm = LLM(str(qdir), device="cuda", dtype="float32", kernel_backend=backend)
+    compare(llm, reference, group=128, device="cuda")

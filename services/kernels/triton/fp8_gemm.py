@@ -19,9 +19,8 @@ Two kernels:
 Both are plain launches with shape-only sizes (no host syncs, no atomics): safe to
 capture in CUDA graphs. Runs under TRITON_INTERPRET=1 on a CPU (the interpreter handles
 float8_e4m3fn loads, stores and dots, not fnuz ones), which is how the CPU tests run it.
-Launch
-settings are a first guess after vLLM's untuned default for block FP8 (64 x 128 x 128
-tiles), not tuned on the H200 yet."""
+Launch settings for up to 64 rows come from an H200 sweep (`benchmarks/fp8_gemv_bench.py`);
+larger batches keep a first guess (128 x 128 x 128 tiles), not tuned yet."""
 
 from __future__ import annotations
 
@@ -30,23 +29,11 @@ import triton
 import triton.language as tl
 
 from services.kernels.fp8 import FP8_DTYPE, Fp8Format, fp8_max
+from services.kernels.triton import fp8_gemv
 from services.kernels.triton._launch import check_device, is_interpreted, next_pow2
+from services.kernels.triton.fp8_round import round_to_e4m3
 
 _MIN_AMAX = 1e-12
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (fp32, within +-448) rounded to nearest even on the e4m3 grid, still in fp32:
-    3 mantissa bits in the normal range (>= 2^-6), steps of 2^-9 below. For the
-    interpreter only: its float32 -> float8e4nv cast mis-rounds (a carry into the next
-    binade is dropped: 31.6 becomes 16; subnormals truncate), while the cast of a value
-    already on the grid is exact."""
-    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exp = tl.maximum(exp, -6)  # the subnormal step 2^-9 = 2^(-6 - 3)
-    ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    magic = ulp * 12582912.0  # 1.5 * 2^23 ulps: adding it rounds v to a multiple of ulp
-    return (v + magic) - magic
 
 
 @triton.jit
@@ -84,7 +71,7 @@ def _quant_act_kernel(
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
         if ROUND_IN_FP32:
-            q = _round_to_e4m3(q)
+            q = round_to_e4m3(q)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -190,17 +177,22 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _config(m: int, fmt: Fp8Format, interpreted: bool) -> dict:
+def _config(m: int, n: int, interpreted: bool) -> dict:
     if interpreted:  # the interpreter pays per program: few, big tiles
         block_m = min(64, max(16, next_pow2(m)))
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4)
     block_k = 128
-    if m <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    elif m <= 32:
-        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    if m <= 64:
+        # From an H200 sweep at 8 and 64 rows (Llama-3-8B projections, block and channel
+        # FP8, docs/performance.md): narrow N tiles give a small weight enough programs
+        # to fill the SMs, and five stages keep its loads in flight; wide weights
+        # (gate_up) prefer 128-column tiles.
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 128 if n >= 16384 else 64 if n > 4096 else 32
+        stages = 4 if block_n == 128 else 5
+        cfg = dict(
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages
+        )
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
     return dict(cfg, GROUP_M=8)
@@ -214,9 +206,12 @@ def fp8_gemm(
     fmt: Fp8Format,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """xq [M, K] FP8 with x_scale [M, G] (G = ceil(K / fmt.act_group(K))), weight
-    [N, K] in the same FP8 type with weight_scale as fmt says -> [M, N] in out_dtype."""
+    [N, K] in the same FP8 type with weight_scale as fmt says -> [M, N] in out_dtype.
+    config: launch settings (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) instead of
+    the defaults, for benchmarks."""
     check_device(_fp8_gemm_kernel, xq, weight)
     m, k = xq.shape
     n = weight.shape[0]
@@ -224,7 +219,7 @@ def fp8_gemm(
     if m == 0:
         return out
     interpreted = is_interpreted(_fp8_gemm_kernel)
-    cfg = _config(m, fmt, interpreted)
+    cfg = dict(config) if config is not None else _config(m, n, interpreted)
     per_block = fmt.granularity == "block"
     if per_block:
         # each K step must lie inside one scale block (power-of-two blocks only)
@@ -270,11 +265,16 @@ def fp8_gemm(
 
 
 def fp8_linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """An Fp8Linear's forward: x quantized as its format says, then the FP8 GEMM."""
+    """An Fp8Linear's forward: one row through the fused FP8 GEMV (fp8_gemv.py), more
+    rows quantized as the format says, then the FP8 GEMM."""
+
     fmt = layer.fp8_format
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     weight = layer.weight
+    if fp8_gemv.supports(x2.shape[0], fmt, weight):  # a decode row: one fused launch
+        out = fp8_gemv.fp8_gemv(x2, weight, layer.weight_scale, fmt, layer.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
     xq, xs = quantize_activation(x2, fmt.act_group(k), weight.dtype)
     if weight.stride(1) != 1:
         raise ValueError("the triton FP8 GEMM needs an FP8 weight with unit stride along K")

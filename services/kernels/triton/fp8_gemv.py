@@ -1,0 +1,234 @@
+"""FP8 GEMV for one decode row: out = dequant(quant(x)) @ dequant(W).T (+ bias) for x
+[1, K] and an FP8 linear layer (services/kernels/fp8.py says what the formats mean).
+
+Why: at batch 1 a projection is a pass over its weight, and the tiled FP8 GEMM
+(fp8_gemm.py) streams it at about half the HBM bandwidth: its 16-row tensor-core tiles
+waste the MMA and give too few programs to fill the SMs. Here each program owns
+BLOCK_N rows of W and walks K in [BLOCK_N, BLOCK_K] tiles with elementwise FMAs into an
+fp32 tile, reduced once after the loop (the bf16 GEMV's one-row path, gemv.py), and
+the activation quantization is fused in, so the layer is one launch instead of two:
+
+- block weights: each K tile covers whole 128-column activation groups (BLOCK_K is a
+  multiple of block_k); a program computes the groups' amax from x (16 KB at most,
+  read from L2), quantizes and dequantizes x exactly as the reference does (div_rn, an
+  RNE cast to e4m3), and folds in the weight's block scale for the tile's groups. All
+  BLOCK_N rows share one scale row because BLOCK_N divides block_n.
+- channel / tensor weights: one activation scale for the whole row, from an amax pass
+  over x first; the row's and the weight's scales multiply the sum at the end.
+
+One plain launch, shape-only sizes, no atomics: safe to capture in a CUDA graph. Runs
+under TRITON_INTERPRET=1 on a CPU (e4m3fn only, like fp8_gemm.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from services.kernels.fp8 import Fp8Format, fp8_max, is_pow2
+from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
+from services.kernels.triton.fp8_round import round_to_e4m3
+
+_MIN_AMAX = 1e-12
+_GRANULARITY_CODE = {"block": 0, "channel": 1, "tensor": 2}
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """Launch settings: block_n rows of W per program, block_k columns per tile (both
+    powers of two)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or not is_pow2(v):
+                raise ValueError(f"{name} must be a power of two, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+
+
+def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:
+    """Whether the GEMV takes this call: one row, a row-major weight and, for block
+    weights, power-of-two blocks (a tile must cover whole groups and one scale row)."""
+    if x_rows != 1 or weight.dim() != 2 or weight.stride(1) != 1:
+        return False
+    if fmt.granularity == "block":
+        return is_pow2(fmt.block_n) and is_pow2(fmt.block_k) and fmt.block_k >= 16
+    return True
+
+
+def default_config(n: int, k: int, fmt: Fp8Format, num_sms: int) -> Fp8GemvConfig:
+    """From an H200 sweep (Llama-3-8B projections, block and channel FP8, CUDA-graph
+    replays, docs/performance.md): 8 x 1024 tiles with 4 warps were best or within 2%
+    of the best at every projection; narrower when there would be fewer than two
+    programs per SM."""
+    block_n = 8
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    return _fit(Fp8GemvConfig(block_n, 1024, 4), k, fmt)
+
+
+def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
+    """Clamp the tile to the layer: no wider than K needs, and for block weights a
+    multiple of block_k along K and a divisor of block_n along N."""
+    block_k = min(cfg.block_k, max(16, next_pow2(k)))
+    block_n = cfg.block_n
+    if fmt.granularity == "block":
+        block_k = max(block_k, fmt.block_k)
+        block_n = min(block_n, fmt.block_n)
+    return Fp8GemvConfig(block_n, block_k, cfg.num_warps)
+
+
+@triton.jit
+def _quantized(x, scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FP8_TY):
+    """x / scale rounded onto the e4m3 grid, as fp32 (the reference's quantize step)."""
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
+    if ROUND_IN_FP32:  # the interpreter's fp32 -> fp8 cast mis-rounds (fp8_gemm.py)
+        q = round_to_e4m3(q)
+    return q.to(FP8_TY).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [K] (one row, unit stride)
+    w_ptr,  # [N, K] FP8, unit stride along K
+    ws_ptr,  # weight scales: [N/bn, K/bk], [N] or a scalar
+    bias_ptr,
+    out_ptr,  # [N] in x's dtype
+    N,
+    K,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    GRANULARITY: tl.constexpr,  # 0 block, 1 channel, 2 tensor
+    GROUP: tl.constexpr,  # block weights: columns per activation scale (block_k)
+    SCALE_N: tl.constexpr,  # block weights: rows of W per scale (block_n)
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    fp8_ty = w_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past N re-read valid ones (wrapped) so the loads stay unmasked; never stored
+    w_rows = (offs_n % N).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
+
+    if GRANULARITY != 0:  # one activation scale per row: amax over all of K first
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        x_scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX_)
+    else:
+        G: tl.constexpr = BLOCK_K // GROUP
+        offs_g = tl.arange(0, G)
+        ws_row = ws_ptr + ((pid * BLOCK_N) // SCALE_N) * stride_wsn  # one scale row
+
+    # (A 3-D [BLOCK_N, G, GROUP] tile without the reshapes measured 3-9% slower on the
+    # H200, and prefetching the next W tile into registers spilled.)
+    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k + offs_k).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + offs_k) < K
+            x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        if GRANULARITY == 0:
+            # per 128-column group: the activation scale, and the weight's block scale
+            group_amax = tl.max(tl.reshape(tl.abs(x), [G, GROUP]), axis=1)
+            s = tl.math.div_rn(tl.maximum(group_amax, MIN_AMAX), FP8_MAX_)
+            g_idx = k // GROUP + offs_g
+            ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_idx * GROUP < K, other=0.0)
+            s_cols = tl.reshape(tl.broadcast_to(s[:, None], [G, GROUP]), [BLOCK_K])
+            ws_cols = tl.reshape(tl.broadcast_to(ws[:, None], [G, GROUP]), [BLOCK_K])
+            xd = _quantized(x, s_cols, FP8_MAX_, ROUND_IN_FP32, fp8_ty) * s_cols * ws_cols
+        else:
+            xd = _quantized(x, x_scale, FP8_MAX_, ROUND_IN_FP32, fp8_ty)
+        part += w.to(tl.float32) * xd[None, :]
+        w_ptrs += BLOCK_K
+    acc = tl.sum(part, axis=1)
+
+    n_ok = offs_n < N
+    if GRANULARITY == 1:
+        acc *= x_scale * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)
+    elif GRANULARITY == 2:
+        acc *= x_scale * tl.load(ws_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    fmt: Fp8Format,
+    bias: torch.Tensor | None,
+    *,
+    config: Fp8GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch."""
+    check_device(_fp8_gemv_kernel, x, weight)
+    if not supports(x.shape[0], fmt, weight):
+        raise ValueError(
+            f"fp8_gemv takes one row and a row-major weight with power-of-two blocks; got "
+            f"x {tuple(x.shape)}, weight strides {weight.stride()}, {fmt}"
+        )
+    k = x.shape[1]
+    n = weight.shape[0]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    x = x.contiguous()
+    interpreted = is_interpreted(_fp8_gemv_kernel)
+    if config is None:
+        # the interpreter pays per program and per loop step: few, big tiles
+        config = (
+            Fp8GemvConfig(min(64, next_pow2(n)), 512)
+            if interpreted
+            else default_config(n, k, fmt, device_sms(x))
+        )
+    cfg = _fit(config, k, fmt)
+    if fmt.granularity == "block":
+        ws_strides = (weight_scale.stride(0), weight_scale.stride(1))
+        group, scale_n = fmt.block_k, fmt.block_n
+    else:
+        ws_strides = (weight_scale.stride(0) if fmt.granularity == "channel" else 0, 0)
+        group, scale_n = 1, 1
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x,
+        weight,
+        weight_scale,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        out,
+        n,
+        k,
+        weight.stride(0),
+        *ws_strides,
+        GRANULARITY=_GRANULARITY_CODE[fmt.granularity],
+        GROUP=group,
+        SCALE_N=scale_n,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        FP8_MAX_=fp8_max(weight.dtype),
+        MIN_AMAX=_MIN_AMAX,
+        ROUND_IN_FP32=interpreted,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
+    return out
