@@ -27,7 +27,7 @@ class ResponseBuilder:
         yet written (the Outbox merges while the reader is behind)."""
         completion = out.output
         first = self.sent_tokens == 0
-        new_ids = completion.token_ids[self.sent_tokens :]
+        new_ids = completion.token_ids_from(self.sent_tokens)
         resp.request_id = self.rid
         resp.token_ids.extend(new_ids)
         text = completion.text[self.sent_chars :]
@@ -40,7 +40,7 @@ class ResponseBuilder:
             self._add_prompt(resp)
         if first and out.prompt_logprobs is not None:
             self._add_prompt_logprobs(resp, out)
-        self.sent_tokens = len(completion.token_ids)
+        self.sent_tokens = completion.num_token_ids
         self.sent_chars += len(text)
         if out.finished:
             resp.finish_reason = convert.finish_reason_to_pb(completion.finish_reason)

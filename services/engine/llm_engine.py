@@ -58,6 +58,9 @@ class _Request:
     logits_bias: torch.Tensor | None = None  # see SamplingRequest
     bad_word_seqs: list[list[int]] | None = None
     grammar: GrammarState | None = None  # structured output's matcher
+    # what the sampler reads of it, built on its first step and reused: all of it is
+    # fixed for the request (the token list is the sequence's own), but a grammar's mask
+    sampling: SamplingRequest | None = None
 
 
 class LLMEngine(AsyncSteps):
@@ -286,7 +289,9 @@ class LLMEngine(AsyncSteps):
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         req = self.requests[seq.seq_id]
-        return SamplingRequest(
+        if req.sampling is not None and req.grammar is None:
+            return req.sampling  # one per request, not one per request per step
+        req.sampling = SamplingRequest(
             seq.params,
             seq.token_ids,
             seq.num_prompt_tokens,
@@ -296,6 +301,7 @@ class LLMEngine(AsyncSteps):
             req.bad_word_seqs,
             req.grammar.next_bitmask() if req.grammar is not None else None,
         )
+        return req.sampling
 
     def _process_samples(
         self, items: list[ScheduledSeq], result: SamplerOutput
@@ -363,7 +369,8 @@ class LLMEngine(AsyncSteps):
         completion = CompletionOutput(
             index=0,
             text=detok.stable_text(finished),
-            token_ids=seq.output_token_ids,
+            source=seq.token_ids,  # sliced only when read (outputs.py)
+            start=seq.num_prompt_tokens,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
