@@ -56,6 +56,13 @@ class WorkerMetrics:
             "behind the engine; steadily rising: the router is the bottleneck",
             registry=self.registry,
         )
+        self.detokenizer_fallbacks = Counter(
+            "pdserve_detokenizer_fallbacks",
+            "Requests whose Rust incremental detokenizer (DecodeStream) failed and that "
+            "went on detokenizing in Python (same text, slower)",
+            registry=self.registry,
+        )
+        self._detokenizer_fallbacks_seen = 0
         self.running = Gauge(
             "pdserve_running_requests", "Running sequences", registry=self.registry
         )
@@ -95,6 +102,10 @@ class WorkerMetrics:
         if "orphaned_kv_blocks" in stats:
             self.orphaned_blocks.set(stats["orphaned_kv_blocks"])
             self.oldest_reservation.set(stats["oldest_kv_reservation_seconds"])
+        fallbacks = stats.get("detokenizer_fallbacks", 0)  # the engine's running total
+        if fallbacks > self._detokenizer_fallbacks_seen:
+            self.detokenizer_fallbacks.inc(fallbacks - self._detokenizer_fallbacks_seen)
+            self._detokenizer_fallbacks_seen = fallbacks
         self.vllm_running.set(stats["num_running"])
         self.vllm_waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]

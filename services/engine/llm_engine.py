@@ -88,6 +88,8 @@ class LLMEngine(AsyncSteps):
             self.runner.close()  # no tensor-parallel rank outlives a failed start
             raise
         self.requests: dict[str, _Request] = {}
+        # requests whose Rust DecodeStream erred and that went on in Python (detokenizer.py)
+        self.num_detokenizer_fallbacks = 0
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         # async scheduling: prefill workers never decode, so they never pipeline
@@ -214,7 +216,7 @@ class LLMEngine(AsyncSteps):
         banned = [w[0] for w in words if len(w) == 1]
         self.requests[seq.seq_id] = _Request(
             seq,
-            IncrementalDetokenizer(self.tokenizer, params),
+            IncrementalDetokenizer(self.tokenizer, params, self._count_detokenizer_fallback),
             generator,
             stop_ids,
             logits_bias_row(params, banned, self.hf_config.vocab_size, self.runner.device),
@@ -464,7 +466,10 @@ class LLMEngine(AsyncSteps):
         return num_blocks
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "detokenizer_fallbacks": self.num_detokenizer_fallbacks}
+
+    def _count_detokenizer_fallback(self) -> None:
+        self.num_detokenizer_fallbacks += 1
 
     def kv_audit(self) -> KVAudit:
         """Orphaned KV blocks and the oldest reservation (call on the engine's thread)."""

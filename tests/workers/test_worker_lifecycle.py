@@ -54,6 +54,7 @@ def test_metrics_and_incompatible_pair(model):
         text = _metrics(_metrics_port(decode))
         assert 'pdserve_worker_requests_total{outcome="ok"} 1.0' in text
         assert "pdserve_merged_responses_total" in text  # the router-behind signal
+        assert "pdserve_detokenizer_fallbacks_total 0.0" in text  # the Rust stream held
     finally:
         for w in (prefill, odd_decode, decode):
             w.stop()
