@@ -2,8 +2,9 @@
 
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
-from services.engine.llm_engine import KVReservation, LLMEngine, NoFreeBlocksError
+from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.pd_roles import KVReservation, NoFreeBlocksError
 from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.models.tokenizer import apply_chat_template
 
