@@ -237,24 +237,21 @@ def main() -> None:
             running.append(len(engine.scheduler.running))
         torch.cuda.synchronize()
         step = (time.perf_counter() - t) / args.decode_steps
-        if min(running) < b:  # the KV cache holds fewer: the row would overstate
+        short = min(running) < b  # the KV cache holds fewer: the row would overstate
+        if args.profile and b == 1 and not short:
+            results["profile_b1"] = profile_decode(engine, args.decode_steps)
+        for i in range(b):  # the margin above is not needed any more
+            engine.abort_request(f"b{b}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        if short:
             print(
                 f"decode batch {b}: only {min(running)}-{max(running)} sequences ran at once "
                 f"(KV cache: {engine.block_manager.num_blocks} blocks of "
                 f"{engine.config.block_size} tokens); row left out",
                 flush=True,
             )
-            for i in range(b):
-                engine.abort_request(f"b{b}-{i}")
-            while engine.has_unfinished_requests():
-                engine.step()
             continue
-        if args.profile and b == 1:
-            results["profile_b1"] = profile_decode(engine, args.decode_steps)
-        for i in range(b):  # the margin above is not needed any more
-            engine.abort_request(f"b{b}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
         kv_bytes = b * (args.ctx + 8) * kv_token_bytes
         mbu = (touched_bytes(b) + kv_bytes) / step / bw
         floor_ms = (touched_bytes(b) + kv_bytes) / bw * 1e3

@@ -33,7 +33,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 FP8_FNUZ_DTYPE = torch.float8_e4m3fnuz  # MI300's (gfx94x): max 240
 FP8_DTYPES = (FP8_DTYPE, FP8_FNUZ_DTYPE)
 # The smallest amax a scale is made from: an all-zero row quantizes to zeros, not NaN.
-_MIN_AMAX = 1e-12
+MIN_AMAX = 1e-12
 GRANULARITIES = ("block", "channel", "tensor")
 
 
@@ -139,7 +139,7 @@ def quantize_activation(
     if groups * group != k:  # zero-pad the last group (zeros change no amax)
         xf = torch.nn.functional.pad(xf, (0, groups * group - k))
     xg = xf.view(m, groups, group)
-    scale = _div(xg.abs().amax(dim=-1).clamp_min(_MIN_AMAX), top)
+    scale = _div(xg.abs().amax(dim=-1).clamp_min(MIN_AMAX), top)
     q = (xg / scale.unsqueeze(-1)).clamp(-top, top).to(dtype)
     return q.view(m, groups * group)[:, :k], scale
 
@@ -168,7 +168,7 @@ def quantize_weight_per_channel(
     scale per output row (online quantization, `quantization="fp8"`)."""
     top = fp8_max(dtype)
     wf = weight.float()
-    scale = _div(wf.abs().amax(dim=1).clamp_min(_MIN_AMAX), top)
+    scale = _div(wf.abs().amax(dim=1).clamp_min(MIN_AMAX), top)
     q = (wf / scale.unsqueeze(1)).clamp(-top, top).to(dtype)
     return q, scale
 

@@ -28,12 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.fp8 import FP8_DTYPE, Fp8Format, fp8_max
+from services.kernels.fp8 import FP8_DTYPE, MIN_AMAX, Fp8Format, fp8_max
 from services.kernels.triton import fp8_gemv
 from services.kernels.triton._launch import check_device, is_interpreted, next_pow2
-from services.kernels.triton.fp8_round import round_to_e4m3
-
-_MIN_AMAX = 1e-12
+from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
 
 
 @triton.jit
@@ -60,18 +58,13 @@ def _quant_act_kernel(
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # correctly rounded divisions (div_rn), as torch's quantizer divides: Triton's `/`
-    # on fp32 is an approximate divide on NVIDIA, and a quotient one ulp off can land on
-    # the other side of an e4m3 rounding boundary
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX_)
+    scale = activation_scale(tl.max(amax, axis=0), MIN_AMAX, FP8_MAX_)
     tl.store(s_ptr + row * stride_sm + g, scale)
     for c in range(0, GROUP, CHUNK):
         cols = start + c + tl.arange(0, CHUNK)
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
-        if ROUND_IN_FP32:
-            q = round_to_e4m3(q)
+        q = quantize_e4m3(x, scale, FP8_MAX_, ROUND_IN_FP32)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,7 +93,7 @@ def quantize_activation(
         GROUP=group,
         CHUNK=chunk,
         FP8_MAX_=fp8_max(dtype),
-        MIN_AMAX=_MIN_AMAX,
+        MIN_AMAX=MIN_AMAX,
         ROUND_IN_FP32=is_interpreted(_quant_act_kernel),
     )
     return q, s

@@ -27,11 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.fp8 import Fp8Format, fp8_max, is_pow2
+from services.kernels.fp8 import MIN_AMAX, Fp8Format, fp8_max, is_pow2
 from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
-from services.kernels.triton.fp8_round import round_to_e4m3
+from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
 
-_MIN_AMAX = 1e-12
 _GRANULARITY_CODE = {"block": 0, "channel": 1, "tensor": 2}
 
 
@@ -88,10 +87,7 @@ def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
 @triton.jit
 def _quantized(x, scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FP8_TY):
     """x / scale rounded onto the e4m3 grid, as fp32 (the reference's quantize step)."""
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
-    if ROUND_IN_FP32:  # the interpreter's fp32 -> fp8 cast mis-rounds (fp8_gemm.py)
-        q = round_to_e4m3(q)
-    return q.to(FP8_TY).to(tl.float32)
+    return quantize_e4m3(x, scale, FP8_MAX_, ROUND_IN_FP32).to(FP8_TY).to(tl.float32)
 
 
 @triton.jit
@@ -130,7 +126,7 @@ def _fp8_gemv_kernel(
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        x_scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX_)
+        x_scale = activation_scale(tl.max(amax, axis=0), MIN_AMAX, FP8_MAX_)
     else:
         G: tl.constexpr = BLOCK_K // GROUP
         offs_g = tl.arange(0, G)
@@ -150,7 +146,7 @@ def _fp8_gemv_kernel(
         if GRANULARITY == 0:
             # per 128-column group: the activation scale, and the weight's block scale
             group_amax = tl.max(tl.reshape(tl.abs(x), [G, GROUP]), axis=1)
-            s = tl.math.div_rn(tl.maximum(group_amax, MIN_AMAX), FP8_MAX_)
+            s = activation_scale(group_amax, MIN_AMAX, FP8_MAX_)
             g_idx = k // GROUP + offs_g
             ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_idx * GROUP < K, other=0.0)
             s_cols = tl.reshape(tl.broadcast_to(s[:, None], [G, GROUP]), [BLOCK_K])
@@ -225,7 +221,7 @@ def fp8_gemv(
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0,
         FP8_MAX_=fp8_max(weight.dtype),
-        MIN_AMAX=_MIN_AMAX,
+        MIN_AMAX=MIN_AMAX,
         ROUND_IN_FP32=interpreted,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

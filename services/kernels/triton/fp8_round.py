@@ -1,4 +1,8 @@
-"""Rounding onto the e4m3 grid in fp32, for Triton's interpreter (the CPU tests)."""
+"""The activation quantization steps every pdserve FP8 kernel shares (the reference is
+services/kernels/fp8.py's quantize_activation): the scale from an amax, and x / scale
+on the e4m3 grid. Divisions are correctly rounded (div_rn), as torch's quantizer
+divides: Triton's `/` on fp32 is an approximate divide on NVIDIA, and a quotient one
+ulp off can land on the other side of an e4m3 rounding boundary."""
 
 import triton
 import triton.language as tl
@@ -16,3 +20,19 @@ def round_to_e4m3(v):
     ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = ulp * 12582912.0  # 1.5 * 2^23 ulps: adding it rounds v to a multiple of ulp
     return (v + magic) - magic
+
+
+@triton.jit
+def activation_scale(amax, MIN_AMAX: tl.constexpr, FP8_MAX_: tl.constexpr):
+    """The symmetric scale for values up to amax: amax / the type's max (never 0)."""
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX_)
+
+
+@triton.jit
+def quantize_e4m3(x, scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """x / scale saturated to the type's range, still fp32: a cast to the FP8 type then
+    rounds it (on the interpreter it is rounded here first: round_to_e4m3)."""
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
+    if ROUND_IN_FP32:
+        q = round_to_e4m3(q)
+    return q
