@@ -1,10 +1,12 @@
 """KV handoff between two GPUs through Mooncake (nvlink_intra): a prefill engine on
 cuda:0 computes a prompt, its blocks are written into a decode engine's reserved
-blocks on cuda:1, and the bytes are checked. Reports effective transfer bandwidth and
+blocks on cuda:1 (--decode-device; on a one-GPU machine cuda:0, a second process on
+the same GPU), and the bytes are checked. Reports effective transfer bandwidth and
 time-to-first-token disaggregated (prefill + transfer) vs colocated (prefill alone).
+--kv-cache-dtype fp8_e4m3 moves an FP8 cache (half the bytes).
 
     MC_INTRANODE_NVLINK=1 python benchmarks/kv_handoff_bench.py \\
-        --config benchmarks/configs/llama3-8b.json --prompt-len 2048
+        --config benchmarks/configs/llama3-8b.json --prompt-len 2048 [--kv-cache-dtype fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ def block_digest(kv: torch.Tensor, block_id: int) -> str:
     return hashlib.sha256(kv[block_id].view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def decode_side(conn, shape, dtype, spec, protocol) -> None:
-    torch.cuda.set_device(1)
-    kv = torch.zeros(shape, dtype=dtype, device="cuda:1")
+def decode_side(conn, shape, dtype, spec, protocol, device) -> None:
+    torch.cuda.set_device(device)
+    kv = torch.zeros(shape, dtype=dtype, device=device)
     connector = connector_for(kv, spec, protocol)
     conn.send(connector.agent_info().to_dict())
     while (block_ids := conn.recv()) is not None:
-        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(device)
         conn.send([block_digest(kv, b) for b in block_ids])
     connector.close()
 
@@ -70,8 +72,15 @@ def main() -> None:
         help="direct: engine calls from the caller's thread; thread: from the peer's "
         "writer thread; default: the connector's choice (direct for nvlink_intra)",
     )
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto")
+    ap.add_argument(
+        "--decode-device",
+        default=None,
+        help="the decode side's GPU (default cuda:1, or cuda:0 on a one-GPU machine)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    decode_device = args.decode_device or ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     if args.protocol == "nvlink_intra":
         os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
 
@@ -85,6 +94,7 @@ def main() -> None:
             device="cuda:0",
             load_format="dummy",
             dtype="bfloat16",
+            kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=2048,
             max_num_batched_tokens=max(8192, args.prompt_len),
             enforce_eager=True,
@@ -97,7 +107,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     child = ctx.Process(
-        target=decode_side, args=(child_end, tuple(kv.shape), kv.dtype, spec, args.protocol)
+        target=decode_side,
+        args=(child_end, tuple(kv.shape), kv.dtype, spec, args.protocol, decode_device),
     )
     child.start()
     peer = KVAgentInfo.from_dict(parent_end.recv())
@@ -151,6 +162,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     best = min((x for x in rows if x["layout"] == "contiguous"), key=lambda x: x["transfer_ms"])
     print(
+        f"{args.kv_cache_dtype} KV, cuda:0 -> {decode_device}: "
         f"KV of a {args.prompt_len}-token request: {best['bytes'] / 1e6:.0f} MB in "
         f"{best['regions']} regions, {best['transfer_ms']:.2f} ms = {best['GBps']:.0f} GB/s; "
         f"TTFT disaggregated / colocated = {best['ttft_ratio']:.3f}",

@@ -92,6 +92,19 @@ def test_quantize_activation_equals_the_reference(device):
         assert rel_err(deq, x) < 0.05  # FP8 keeps ~3 significant bits
 
 
+def test_quantize_activation_pads_rows_and_lays_scales_column_major(device):
+    # the operands cuBLASLt's block scaling wants: rows padded to 16, scales [R, G]
+    # stored as [G, R] transposed; the real rows equal the plain call's
+    x = _x(5, 300, torch.float32, device)
+    q, s = tk.quantize_activation(x, 128)
+    pq, ps = tk.quantize_activation(x, 128, rows=16, column_major_scales=True)
+    assert pq.shape == (16, 300) and ps.shape == (16, 3) and ps.stride() == (1, 16)
+    assert torch.equal(pq[:5].float(), q.float()) and torch.equal(ps[:5], s)
+    assert not pq[5:].float().any() and torch.equal(ps[5:], torch.ones_like(ps[5:]))
+    with pytest.raises(ValueError, match="rows"):
+        tk.quantize_activation(x, 128, rows=4)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 37])
 def test_triton_fp8_gemm_matches_the_reference(fmt, m, device):
@@ -182,8 +195,9 @@ def _gpu_candidates():
 
 
 def _supports(name, fmt) -> bool:
-    # cuBLASLt through torch._scaled_mm: per-tensor and row-wise scales only
-    return not (name == "scaled_mm" and fmt.granularity == "block")
+    # cuBLASLt through torch._scaled_mm: per-tensor, row-wise and 128 x 128 block scales
+    odd_block = fmt.granularity == "block" and (fmt.block_n, fmt.block_k) != (128, 128)
+    return not (name == "scaled_mm" and odd_block)
 
 
 @pytest.mark.gpu
@@ -204,6 +218,17 @@ def test_every_fp8_candidate_matches_the_reference_on_gpu(n, k, fmt, m):
         assert out.dtype == dtype and out.shape == (m, n), name
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_scaled_mm_refuses_blocks_cublaslt_cannot_scale():
+    backend = _gpu_candidates()["scaled_mm"]
+    layer = make_layer(256, 256, FORMATS["block64x128"], device="cuda")
+    with pytest.raises(ValueError, match="128 x 128 weight blocks, not 64 x 128"):
+        backend.linear(_x(4, 256, torch.bfloat16, "cuda"), layer)
+    block = make_layer(256, 256, FORMATS["block"], device="cuda")
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        backend.linear(_x(4, 256, torch.float16, "cuda"), block)
 
 
 @pytest.mark.gpu

@@ -121,6 +121,16 @@ def test_config_is_shape_only():
     assert cfg["num_q_blocks"] == 8 * 2048 // cfg["BLOCK_Q"] + 8
 
 
+def test_long_fp8_decode_walks_take_four_warps():
+    # 128 sequences x 4k keys: bf16 walks take 8 warps, FP8 ones (tiles converted in
+    # registers) 4 warps and a deeper pipeline, as the H200 sweep measured
+    args = (128, 128, 32, 8, 1, 4096, 132)
+    bf16 = attention_config(*args, interpreted=False)
+    fp8 = attention_config(*args, interpreted=False, kv_fp8=True)
+    assert (bf16["TILE_N"], bf16["num_warps"], bf16["num_stages"]) == (128, 8, 2)
+    assert (fp8["TILE_N"], fp8["num_warps"], fp8["num_stages"]) == (128, 4, 3)
+
+
 def test_config_fits_the_gpus_shared_memory():
     # fp32 at head_dim 128, a 2k prefill: the bf16 tiles (BLOCK_M 128, TILE_N 64, 3
     # stages) would need 257 KiB of the H200's 227; the tiles shrink until they fit,

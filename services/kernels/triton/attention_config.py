@@ -21,6 +21,7 @@ def attention_config(
     num_splits: int | None = None,
     overrides: dict | None = None,
     smem: tuple[int, int, int, int] | None = None,
+    kv_fp8: bool = False,
 ) -> dict:
     """Tile sizes and split count from shapes and host-side ints only (no sync).
     `overrides` replaces any of BLOCK_M, TILE_N, NUM_SPLITS, num_warps, num_stages
@@ -66,7 +67,11 @@ def attention_config(
         if wide and mixed:
             tile_n, num_warps = 128, 8
     elif wide and max_seq_len >= 2048 * num_splits:
+        # FP8 caches convert every K and V tile in registers: with 8 warps that ran at
+        # half the speed of 4 warps and a 3-stage pipeline (H200, 128 x 4k keys)
         tile_n, num_warps = 128, 8
+        if kv_fp8:
+            num_warps, num_stages = 4, 3
     num_stages = overrides.get("num_stages", num_stages)
     if smem is not None and smem[3]:
         head_dim, q_bytes, kv_bytes, limit = smem

@@ -43,6 +43,7 @@ def _quant_act_kernel(
     stride_xm,
     stride_qm,
     stride_sm,
+    stride_sg,
     GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
     FP8_MAX_: tl.constexpr,
@@ -59,7 +60,7 @@ def _quant_act_kernel(
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = activation_scale(tl.max(amax, axis=0), MIN_AMAX, FP8_MAX_)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
     for c in range(0, GROUP, CHUNK):
         cols = start + c + tl.arange(0, CHUNK)
         mask = (cols < K) & (c + tl.arange(0, CHUNK) < GROUP)
@@ -69,16 +70,32 @@ def _quant_act_kernel(
 
 
 def quantize_activation(
-    x: torch.Tensor, group: int, dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor,
+    group: int,
+    dtype: torch.dtype = FP8_DTYPE,
+    rows: int | None = None,
+    column_major_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit stride along K) -> (FP8 `dtype` [M, K], fp32 [M, ceil(K / group)])."""
+    """x [M, K] (unit stride along K) -> (FP8 `dtype` [R, K], fp32 [R, ceil(K / group)]).
+    R = rows (default M): rows past M are zeros with scale 1, the padding cuBLASLt
+    wants. column_major_scales: the scales' storage is [G, R] transposed (stride (1, R)),
+    the layout cuBLASLt's 1 x 128 block scaling reads."""
     check_device(_quant_act_kernel, x)
     m, k = x.shape
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"rows ({rows}) must be at least the {m} rows of x")
     if x.stride(1) != 1:
         x = x.contiguous()
     groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=dtype, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    q = torch.empty((rows, k), dtype=dtype, device=x.device)
+    if column_major_scales:
+        s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
     if m == 0:
         return q, s
     chunk = min(next_pow2(group), 4096 if is_interpreted(_quant_act_kernel) else 1024)
@@ -90,6 +107,7 @@ def quantize_activation(
         x.stride(0),
         q.stride(0),
         s.stride(0),
+        s.stride(1),
         GROUP=group,
         CHUNK=chunk,
         FP8_MAX_=fp8_max(dtype),
