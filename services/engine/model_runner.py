@@ -16,6 +16,7 @@ same call with the same host lists; only rank 0 samples."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from services.engine.step_inputs import (
 )
 from services.engine.tp_ranks import TPRanks
 from services.kernels import get_backend
-from services.kernels.fp8 import FP8_FNUZ_DTYPE, platform_fp8_dtype
+from services.kernels.fp8 import FP8_FNUZ_DTYPE, experts_fit_fp8, platform_fp8_dtype
 from services.kernels.shape_classes import KernelShapes, weight_quant_tag
 from services.models.loader import load_model
 from services.models.quantization import quantization_of
@@ -81,7 +82,7 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
     # the unfused layers' format: a per-tensor checkpoint's fused qkv / gate_up are
     # per-channel, the same kernels with a row of scales
     fmt = quant.layer_format(fused=False) if quant is not None else None
-    return KernelShapes.from_hf_config(
+    shapes = KernelShapes.from_hf_config(
         hf_config,
         config.block_size,
         config.torch_dtype_name,
@@ -89,6 +90,15 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
         weight_quant=weight_quant_tag(fmt),
         tp_size=config.tensor_parallel_size,
     )
+    # the loader's rule (loader._use_fp8_experts), less its check that the checkpoint
+    # quantizes the experts at all: every published block-FP8 MoE does
+    fp8_experts = (
+        quant is not None
+        and not quant.online
+        and shapes.num_experts > 0
+        and experts_fit_fp8(fmt, shapes.hidden_size, shapes.moe_intermediate_size)
+    )
+    return dataclasses.replace(shapes, fp8_experts=fp8_experts) if fp8_experts else shapes
 
 
 class ModelRunner:

@@ -187,7 +187,16 @@ class AiterBackend:
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
+        if fp8 is not None:  # FP8 experts: pdserve's FP8 fused MoE, at its default tiles
+            if not self.fallbacks["fused_moe.fp8"]:
+                log.warning(
+                    "aiter backend: FP8 experts run the %s backend's fused MoE (aiter's "
+                    "FP8 MoE kernels are not wired in)",
+                    self.fallback.name,
+                )
+            self.fallbacks["fused_moe.fp8"] += 1
+            return self.fallback.fused_moe(x, router_logits, w13, w2, top_k, renormalize, fp8=fp8)
         if x.dtype == torch.float32 and x.is_cuda:
             # aiter's MoE dots take no input precision: on a GPU fp32 would run as tf32
             if not self.fallbacks["fused_moe.fp32"]:

@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from services.kernels.fp8 import Fp8Experts
+
 # FP8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8): e4m3 bytes, each layer's K and V with
 # one scale of its own (vLLM's k_scale / v_scale). Stored = clamp(x / scale, +-max)
 # rounded to nearest even; read = stored * scale. A scale of None means 1.0. The e4m3
@@ -130,13 +132,16 @@ class KernelBackend(Protocol):
         w2: torch.Tensor,
         top_k: int,
         renormalize: bool,
+        fp8: Fp8Experts | None = None,
     ) -> torch.Tensor:
         """A mixture-of-experts MLP. x: [T, H]; router_logits: [T, E] (any float dtype);
         w13: [E, 2I, H], each expert's gate rows then up rows; w2: [E, H, I].
         Routing: softmax over the experts in fp32, the top_k largest, divided by their
         sum when renormalize, cast to x's dtype. Returns [T, H]:
         sum over the chosen experts e of weight_e * (silu(x W_gate_e^T) * (x W_up_e^T)) W2_e^T.
-        No host synchronisation on CUDA (decode steps are captured in CUDA graphs)."""
+        fp8: w13 and w2 are FP8 with these block scales (fp8.Fp8Experts), each expert
+        GEMM W8A8 like a block FP8 linear. No host synchronisation on CUDA (decode
+        steps are captured in CUDA graphs)."""
         ...
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kernels.fp8 import Fp8Format
+from services.kernels.fp8 import Fp8Format, experts_fit_fp8
 from services.kernels.interface import AttentionMetadata
 
 # Decode classes by token count (the largest captured decode batch is 256).
@@ -170,6 +170,9 @@ class KernelShapes:
     # FP8 linear weights: "" (none), "fp8_channel", "fp8_tensor" or "fp8_block_<n>x<k>"
     # (weight_quant_tag); fp8_linear is then measured on weights of that format
     weight_quant: str = ""
+    # MoE experts kept in FP8 (block checkpoints whose blocks tile the expert sizes,
+    # fp8.experts_fit_fp8): fused_moe is then measured on FP8 experts of that format
+    fp8_experts: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -193,6 +196,13 @@ class KernelShapes:
             raise ValueError(
                 "a MoE needs 0 < top_k <= num_experts and a positive moe_intermediate_size"
             )
+        if self.fp8_experts and not (
+            self.num_experts
+            and experts_fit_fp8(self.fp8_format(), self.hidden_size, self.moe_intermediate_size)
+        ):
+            raise ValueError(
+                "fp8_experts needs a MoE and a block weight_quant whose blocks tile its sizes"
+            )
 
     @classmethod
     def from_hf_config(
@@ -203,6 +213,7 @@ class KernelShapes:
         kv_cache_dtype: str = "auto",
         weight_quant: str = "",
         tp_size: int = 1,
+        fp8_experts: bool = False,
     ) -> KernelShapes:
         """One tensor-parallel rank's shapes: its query and KV heads (one KV head when
         there are more ranks than KV heads) and its share of the MLP widths."""
@@ -236,6 +247,7 @@ class KernelShapes:
             **moe,
             kv_cache_dtype=kv_cache_dtype,
             weight_quant=weight_quant,
+            fp8_experts=fp8_experts,
         )
 
     def fp8_format(self) -> Fp8Format | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.kernels.fp8 import fp8_format_of, fp8_linear_reference
+from services.kernels.fp8 import fp8_format_of, fp8_linear_reference, fused_moe_fp8_reference
 from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
 
 
@@ -50,11 +50,13 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # The reference: one expert at a time over the tokens routed to it, in the order
         # transformers' Qwen3-MoE / Mixtral blocks sum them (host syncs: eager only).
         weights, ids = select_experts(router_logits, top_k, renormalize)
         weights = weights.to(x.dtype)
+        if fp8 is not None:
+            return fused_moe_fp8_reference(x, weights, ids, w13, w2, fp8, self.silu_and_mul)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)

@@ -51,9 +51,9 @@ class TritonBackend:
     def silu_and_mul(self, x):
         return tk.silu_and_mul(x)
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
         # config: launch settings the tuner measured fastest here (default_config's if None)
-        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config)
+        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config, fp8=fp8)
 
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

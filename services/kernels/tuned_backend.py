@@ -94,13 +94,14 @@ class TunedBackend:
         backend = self._by_tokens("store_kv_cache", k.shape[0])
         backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # built from a MoE model's shapes, the backend has a choice for every class
         key = f"fused_moe.{token_class(x.shape[0])}"
         backend, config = self._pick[key], self.configs.get(key)
-        if config is None:
-            return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
-        return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config)
+        kwargs = {} if fp8 is None else {"fp8": fp8}
+        if config is not None:
+            kwargs["config"] = config
+        return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize, **kwargs)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)

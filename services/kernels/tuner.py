@@ -348,7 +348,7 @@ def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[d
         shapes.hidden_size,
         shapes.moe_intermediate_size,
         shapes.top_k,
-        shapes.torch_dtype,
+        torch.float8_e4m3fn if shapes.fp8_experts else shapes.torch_dtype,  # tile bytes
     )
     default = default_config(*args)
     if device.type != "cuda":

@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from services.kernels.fp8 import fp8_max, platform_fp8_dtype
+from services.kernels.fp8 import Fp8Experts, fp8_max, platform_fp8_dtype
 from services.kernels.interface import AttentionMetadata
 from services.kernels.shape_classes import DECODE_CLASSES, KernelShapes
 
@@ -71,13 +71,20 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
     elif op == "fused_moe":
         e, k, inter = shapes.num_experts, shapes.top_k, shapes.moe_intermediate_size
         x = rand(n, h)
-        w13, w2 = rand(e, 2 * inter, h, scale=h**-0.5), rand(e, h, inter, scale=inter**-0.5)
+        kwargs = {}
+        if shapes.fp8_experts:  # the model keeps its experts in FP8: measure those
+            w13, s13 = random_fp8_experts(e, 2 * inter, h, shapes.fp8_format(), gen, device)
+            w2, s2 = random_fp8_experts(e, h, inter, shapes.fp8_format(), gen, device)
+            kwargs["fp8"] = Fp8Experts(s13, s2, shapes.fp8_format())
+        else:
+            w13, w2 = rand(e, 2 * inter, h, scale=h**-0.5), rand(e, h, inter, scale=inter**-0.5)
         # each row a permutation of distinct logits that every dtype holds exactly: the
         # same experts win in bf16 as in the fp32 reference (no near-ties to flip)
         ranks = torch.argsort(torch.rand(n, e, generator=gen), dim=-1).float()
         logits = (ranks * 0.25).to(device=device, dtype=dtype)
 
-        kwargs = {} if config is None else {"config": config}
+        if config is not None:
+            kwargs["config"] = config
 
         def call():
             return backend.fused_moe(x, logits, w13, w2, k, True, **kwargs)
@@ -140,6 +147,16 @@ def random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
     weight = (torch.rand(n, k, generator=gen) * 2 - 1) * top
     scale = torch.full(fmt.scale_shape(n, k), k**-0.5 / top)
     return _Fp8Layer(weight.to(dtype).to(device), scale.to(device), fmt)
+
+
+def random_fp8_experts(e: int, n: int, k: int, fmt, gen, device):
+    """E stacked [n, k] FP8 expert weights, uniform in +-k**-0.5 once dequantized, with
+    their block scales (the FP8 type of this device: fnuz on MI300)."""
+    dtype = platform_fp8_dtype(device)
+    top = fp8_max(dtype)
+    weight = (torch.rand(e, n, k, generator=gen) * 2 - 1) * top
+    scale = torch.full((e, n // fmt.block_n, k // fmt.block_k), k**-0.5 / top)
+    return weight.to(dtype).to(device), scale.to(device)
 
 
 def attention_batch(cls, shapes, sizes, device, dtype, gen):

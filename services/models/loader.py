@@ -16,7 +16,13 @@ import torch
 from safetensors import safe_open
 
 from services.kernels import KernelBackend
-from services.kernels.fp8 import FP8_DTYPE, FP8_DTYPES, fp8_format_of, platform_fp8_dtype
+from services.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_DTYPES,
+    experts_fit_fp8,
+    fp8_format_of,
+    platform_fp8_dtype,
+)
 from services.models import default_model
 from services.models.fp8_linear import Fp8Linear
 from services.models.kv_scales import kv_scale_name, load_kv_scale
@@ -162,12 +168,40 @@ def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
         fp8_dtype,
         quant.granularity,
     )
-    experts = sum(isinstance(m, FusedMoE) for m in model.modules())
-    if experts:  # visible: the experts are most of an MoE model's memory
+    _use_fp8_experts(model, quant, fp8_dtype)
+
+
+def _use_fp8_experts(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
+    """Keep MoE experts in FP8 where the fused MoE computes them: block checkpoints
+    whose blocks tile H and this rank's I. Others (channel / tensor scales, online
+    quantization, odd sizes) keep their experts in the engine dtype, said once."""
+    fmt = quant.layer_format(fused=True)
+    kept, full = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        names = [_checkpoint_names(model, f"{name}.experts.0.{p}")[0] for p in model.expert_modules]
+        if not quant.quantizes(names, f"{name}.experts"):
+            continue
+        h = module.w13.shape[2]
+        if not quant.online and experts_fit_fp8(fmt, h, module.intermediate_size):
+            module.use_fp8(fmt, fp8_dtype)
+            kept += 1
+        else:
+            full.append(name)
+    if kept:
+        log.info("%d MoE layers keep their experts in FP8 (%s, %s)", kept, fp8_dtype, fmt)
+    if full:  # visible: the experts are most of an MoE model's memory
+        why = (
+            "online quantization covers linear layers only"
+            if quant.online
+            else f"the fused MoE takes block-FP8 experts whose blocks tile H and I, not {fmt}"
+        )
         log.warning(
-            "%d MoE layers keep their experts in the engine dtype: there is no FP8 "
-            "fused-MoE kernel yet",
-            experts,
+            "%d MoE layers keep their experts in the engine dtype (%s): they take that "
+            "dtype's memory",
+            len(full),
+            why,
         )
 
 
@@ -175,8 +209,12 @@ def _init_dummy(model, seed: int) -> None:
     # Drawn on the model's device in its dtype: an 8B model must not pass through the CPU.
     device = next(model.parameters()).device
     gen = torch.Generator(device).manual_seed(seed)
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    done = {id(p) for m in fp8 for p in m.parameters()}
+    fp8 = [
+        m
+        for m in model.modules()
+        if isinstance(m, Fp8Linear) or (isinstance(m, FusedMoE) and m.fp8_format is not None)
+    ]
+    done = {id(p) for m in fp8 for p in m.parameters(recurse=False)}
     for m in fp8:
         m.fill_random(gen, 0.05)
     for name, param in model.named_parameters():
@@ -227,8 +265,8 @@ def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None)
             for target in _load_tensor(model, params, f"{base}.weight", deq, None, None):
                 loaded[target[0]].add(target[1])
         log.warning(
-            "%d FP8 MoE expert weights dequantized at load to the engine dtype (no FP8 "
-            "fused-MoE kernel yet): they take that dtype's memory",
+            "%d FP8 MoE expert weights dequantized at load to the engine dtype (the "
+            "fused MoE takes block-FP8 experts only): they take that dtype's memory",
             len(experts),
         )
     missing = [
@@ -331,15 +369,17 @@ def _load_tensor(
         name = name.replace(old, new)
     expert = _EXPERT.fullmatch(name)
     if expert and expert.group(3) in model.expert_modules:
-        if scale or tensor.dtype == FP8_DTYPE:
-            base = original.removesuffix(quant.scale_suffix if scale else ".weight")
-            experts.setdefault(base, {})["scale" if scale else "weight"] = tensor
-            return []
         prefix, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
         param, shard = model.expert_modules[proj]
         module = _submodule(model, prefix)
         if module is None or not hasattr(module, "load_expert") or index >= module.num_experts:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            raise ValueError(f"unexpected weight {original!r} in checkpoint")
+        if fp8_format_of(module) is not None:  # FP8 experts: weights and scales as stored
+            param = f"{param}_scale" if scale else param
+        elif scale or tensor.dtype == FP8_DTYPE:  # dequantized once paired
+            base = original.removesuffix(quant.scale_suffix if scale else ".weight")
+            experts.setdefault(base, {})["scale" if scale else "weight"] = tensor
+            return []
         module.load_expert(param, index, shard, tensor)
         return [(f"{prefix}.{param}", (index, shard))]
     target, shard, rows = name, None, None

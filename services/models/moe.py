@@ -9,6 +9,14 @@ import torch
 from torch import nn
 
 from services.kernels import KernelBackend
+from services.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_FNUZ_DTYPE,
+    Fp8Experts,
+    Fp8Format,
+    fn_to_fnuz,
+    fp8_max,
+)
 from services.models.layers import Linear
 from services.models.tensor_parallel import TPGroup, divide
 
@@ -19,7 +27,13 @@ class FusedMoE(nn.Module):
     these (e.g. experts.7.gate_proj -> w13[7, :I]). Under tensor parallelism every rank
     holds every expert, its share I / tp of each expert's MLP width (the experts'
     gate/up split like a column-parallel layer, down like a row-parallel one), and the
-    partial outputs are summed; the router is replicated."""
+    partial outputs are summed; the router is replicated.
+
+    FP8 experts (`use_fp8`, block-FP8 checkpoints such as Qwen3-30B-A3B-FP8): w13 / w2
+    hold the checkpoint's FP8 weights and w13_scale [E, 2I/bn, H/bk] / w2_scale [E,
+    H/bn, I/bk] their block scales (`weight_scale_inv`), passed to fused_moe as an
+    fp8.Fp8Experts; on MI300 the weights become e4m3fnuz and the scales double, as for
+    an Fp8Linear."""
 
     def __init__(
         self,
@@ -44,23 +58,55 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, False, ops)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.fp8_format: Fp8Format | None = None
+
+    def use_fp8(self, fmt: Fp8Format, fp8_dtype: torch.dtype) -> None:
+        """Keep the experts in FP8 (called on the meta device, before allocation)."""
+        e, two_i, h = self.w13.shape
+        inter = two_i // 2
+        dev = self.w13.device
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.w13 = param(e, two_i, h, dtype=fp8_dtype)
+        self.w2 = param(e, h, inter, dtype=fp8_dtype)
+        self.w13_scale = param(e, two_i // fmt.block_n, h // fmt.block_k, dtype=torch.float32)
+        self.w2_scale = param(e, h // fmt.block_n, inter // fmt.block_k, dtype=torch.float32)
+        self.fp8_format = fmt
 
     def forward(self, x):
         router_logits = self.gate(x)
-        out = self.ops.fused_moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        args = (x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        if self.fp8_format is None:
+            out = self.ops.fused_moe(*args)
+        else:
+            fp8 = Fp8Experts(self.w13_scale, self.w2_scale, self.fp8_format)
+            out = self.ops.fused_moe(*args, fp8=fp8)
         return self.tp.all_reduce(out)
 
     def weight_pieces(self) -> dict[str, set]:
         """What a checkpoint must provide for each parameter: (expert, shard) pieces."""
         e = range(self.num_experts)
-        return {
+        pieces = {
             "w13": {(i, s) for i in e for s in (0, 1)},
             "w2": {(i, None) for i in e},
         }
+        if self.fp8_format is not None:
+            pieces["w13_scale"] = pieces["w13"]
+            pieces["w2_scale"] = pieces["w2"]
+        return pieces
 
     def load_expert(self, param: str, expert: int, shard, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint tensor (gate / up: shard 0 / 1 of w13; down: w2), or
+        with FP8 experts its block scales (param w13_scale / w2_scale)."""
         target = getattr(self, param).data[expert]
         size = self.intermediate_size
+        fmt = self.fp8_format
+        if fmt is not None:
+            tensor = self._fp8_checkpoint_tensor(param, expert, tensor)
+            if param.endswith("_scale"):  # sizes along I in scale blocks
+                size //= fmt.block_n if shard is not None else fmt.block_k
         if shard is not None:
             target = target[shard * size : (shard + 1) * size]
         if self.tp.size > 1:  # this rank's share of the expert's width
@@ -71,3 +117,26 @@ class FusedMoE(nn.Module):
                 f"{tuple(tensor.shape)}, model expects {tuple(target.shape)}"
             )
         target.copy_(tensor)
+
+    def fill_random(self, generator: torch.Generator, amplitude: float) -> None:
+        """Dummy FP8 experts (load_format="dummy"): uniform in +-amplitude once
+        dequantized, drawn one expert at a time on the experts' device."""
+        for weight, scale in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+            top = fp8_max(weight.dtype)
+            for w in weight.data:
+                tmp = torch.empty(w.shape, device=w.device, dtype=torch.float32)
+                w.copy_(tmp.uniform_(-top, top, generator=generator).to(w.dtype))
+            scale.data.fill_(amplitude / top)
+
+    def _fp8_checkpoint_tensor(self, param: str, expert: int, tensor: torch.Tensor):
+        """An FP8 expert's weight (float8_e4m3fn, converted to fnuz where the experts are)
+        or fp32 scales (doubled for fnuz): weight * scale stays what the checkpoint has."""
+        fnuz = self.w13.dtype == FP8_FNUZ_DTYPE
+        if param.endswith("_scale"):
+            return tensor.float() * 2 if fnuz else tensor.float()
+        if tensor.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"expert {expert} {param}: the quantization config keeps the experts in FP8, "
+                f"but the checkpoint tensor is {tensor.dtype}"
+            )
+        return fn_to_fnuz(tensor)[0] if fnuz else tensor

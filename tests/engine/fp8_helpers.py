@@ -65,27 +65,29 @@ def quantize_tensor(weight: torch.Tensor):
     return q, scale, q.float() * scale
 
 
-def fake_quant_activations(hf, group: int | None, skip=(), dtype=FP8):
-    """Forward pre-hooks on transformers' projections: x -> dequant(quant(x)) per token
-    (group None) or per token and `group` columns, as W8A8 kernels see their input,
-    in FP8 `dtype` (e4m3fn: max 448; e4m3fnuz: max 240)."""
+def fake_quant(x: torch.Tensor, group: int | None, dtype=FP8) -> torch.Tensor:
+    """x -> dequant(quant(x)) per token (group None) or per token and `group` columns,
+    as W8A8 kernels see their input, in FP8 `dtype` (e4m3fn: max 448; e4m3fnuz: 240)."""
     top = torch.finfo(dtype).max
+    shape = x.shape
+    k = shape[-1]
+    g = group or k
+    xf = x.reshape(-1, k).float()
+    pad = -k % g
+    xp = torch.nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, g)
+    # divided by a tensor: on CUDA torch divides by a Python number through its
+    # reciprocal, one ulp off the correctly rounded scale the kernels use
+    scale = xp.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.tensor(top, device=x.device)
+    deq = (xp / scale).clamp(-top, top).to(dtype).float() * scale
+    return deq.view(xf.shape[0], -1)[:, :k].view(shape).to(x.dtype)
+
+
+def fake_quant_activations(hf, group: int | None, skip=(), dtype=FP8):
+    """Forward pre-hooks on transformers' projections: their inputs through fake_quant."""
 
     def hook(module, args):
         (x,) = args
-        shape = x.shape
-        k = shape[-1]
-        g = group or k
-        xf = x.reshape(-1, k).float()
-        pad = -k % g
-        xp = torch.nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, g)
-        # divided by a tensor: on CUDA torch divides by a Python number through its
-        # reciprocal, one ulp off the correctly rounded scale the kernels use
-        scale = xp.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.tensor(
-            top, device=x.device
-        )
-        deq = (xp / scale).clamp(-top, top).to(dtype).float() * scale
-        return (deq.view(xf.shape[0], -1)[:, :k].view(shape).to(x.dtype),)
+        return (fake_quant(x, group, dtype),)
 
     for name, module in hf.named_modules():
         if name.rpartition(".")[2] in PROJECTIONS and name not in skip:
@@ -169,12 +171,13 @@ def prompts():
     return [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 16, 17, 40, 100, 150, 230)]
 
 
-def compare(llm, reference, group, skip=(), device="cpu"):
+def compare(llm, reference, group, skip=(), device="cpu", emulate=None):
     """The acceptance of the module doc, for an engine on a quantized checkpoint and
     transformers on its dequantized twin `reference`; `group`: the activation groups
     (None: per token), `skip`: transformers modules the checkpoint leaves unquantized,
     `device`: where transformers runs (the engine's, so the fp32 activations that FP8
-    rounds come from the same kind of arithmetic)."""
+    rounds come from the same kind of arithmetic); `emulate`: a further change to the
+    emulating model (MoE experts, which are no Linear modules there)."""
     prompt_ids = prompts()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
     outs = llm.generate(prompt_ids, params)
@@ -194,6 +197,8 @@ def compare(llm, reference, group, skip=(), device="cpu"):
     assert agree >= 7, f"greedy tokens equal on {agree}/8 prompts only"
     # the same weights and the same activation quantization in transformers: exact
     emulated = fake_quant_activations(load(), group, skip)
+    if emulate is not None:
+        emulate(emulated)
     for prompt, out in zip(prompt_ids, outs):
         tokens = out.output.token_ids
         assert tokens == hf_greedy(emulated, prompt, MAX_TOKENS, ignore_eos=True)

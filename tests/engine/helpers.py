@@ -21,8 +21,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: boo
     kwargs = dict(
         do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None
     )
-    if ignore_eos:
-        kwargs["min_new_tokens"] = max_new_tokens
+    if ignore_eos:  # vLLM's meaning: EOS may be generated, it just does not stop (no
+        # token id is -1; min_new_tokens would suppress EOS instead)
+        kwargs["eos_token_id"] = -1
     out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
     return out[0, len(prompt_ids) :].tolist()
 
@@ -82,12 +83,13 @@ def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
     return path
 
 
-def save_random_moe_model(path: Path, kind: str, seed: int = 0) -> Path:
+def save_random_moe_model(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     """A small random-weight Qwen3-MoE (8 experts, top-2, renormalized, layer 1 dense
     through mlp_only_layers) or Mixtral (8 experts, top-2), written as the published
     checkpoints are: one tensor per expert and projection (Qwen3-MoE:
     mlp.experts.E.{gate,up,down}_proj.weight; Mixtral: block_sparse_moe.experts.E.w1 /
-    w3 / w2 and block_sparse_moe.gate), not transformers 5's stacked in-memory layout."""
+    w3 / w2 and block_sparse_moe.gate), not transformers 5's stacked in-memory layout.
+    overrides: config fields to change (e.g. moe_intermediate_size)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
@@ -120,6 +122,8 @@ def save_random_moe_model(path: Path, kind: str, seed: int = 0) -> Path:
         block, names = "block_sparse_moe", ("w1", "w3", "w2")
     else:
         raise ValueError(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = {}

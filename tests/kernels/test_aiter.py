@@ -265,3 +265,30 @@ def test_aiter_fused_moe_matches_reference(t, e, top_k, aiter_backend, device):
         got = aiter_backend.fused_moe(*low, top_k, True, config=small)
         assert aiter_backend.fallbacks["fused_moe.fp32"] == before + 1
         assert_close_rel(got, ref.to(device), torch.bfloat16)
+
+
+@needs_aiter
+def test_aiter_runs_fp8_experts_on_the_triton_fused_moe_visibly(aiter_backend, device, caplog):
+    """FP8 experts: AITER's FP8 MoE kernels are not wired in, so the aiter backend runs
+    pdserve's FP8 fused MoE, counted in `fallbacks` and logged once."""
+    from services.kernels.fp8 import FP8_DTYPE, Fp8Experts, Fp8Format
+    from services.kernels.torch_backend import TorchBackend
+
+    gen = torch.Generator().manual_seed(7)
+    fmt = Fp8Format("block", 16, 16)
+    e, h, inter, t = 4, 32, 16, 3
+    x = torch.randn(t, h, generator=gen)
+    logits = torch.randn(t, e, generator=gen)
+    w13 = (torch.rand(e, 2 * inter, h, generator=gen) * 2 - 1).mul(400).to(FP8_DTYPE)
+    w2 = (torch.rand(e, h, inter, generator=gen) * 2 - 1).mul(400).to(FP8_DTYPE)
+    s13 = torch.rand(e, 2 * inter // 16, h // 16, generator=gen) / 4000
+    s2 = torch.rand(e, h // 16, inter // 16, generator=gen) / 4000
+    want = TorchBackend().fused_moe(x, logits, w13, w2, 2, True, fp8=Fp8Experts(s13, s2, fmt))
+    args = [v.to(device) for v in (x, logits, w13, w2)]
+    fp8 = Fp8Experts(s13.to(device), s2.to(device), fmt)
+    before = aiter_backend.fallbacks["fused_moe.fp8"]
+    with caplog.at_level("WARNING"):
+        out = aiter_backend.fused_moe(*args, 2, True, fp8=fp8)
+    assert aiter_backend.fallbacks["fused_moe.fp8"] == before + 1
+    assert before or "FP8 experts run the" in caplog.text
+    assert_close_rel(out, want.to(device), torch.float32)

@@ -41,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from services.kernels.fp8 import FP8_DTYPES, Fp8Experts, experts_fit_fp8
 from services.kernels.triton._launch import check_device, is_interpreted
+from services.kernels.triton.fp8_gemm import quantize_activation
 from services.kernels.triton.moe_align import route_and_align
 from services.kernels.triton.moe_gemv import (
     GEMV_MAX_PAIRS,
@@ -130,7 +132,8 @@ def candidate_configs(
     first, then single-step neighbours of it (taller M tiles once experts get many
     rows, wider / narrower N tiles, the other K depth, the other warp count), fitted
     to shared memory, without duplicates, `limit` of them; for at most GEMV_MAX_PAIRS
-    pairs also two settings of the GEMV path (moe_gemv.py). A handful only: each is a
+    pairs also two settings of the GEMV path (moe_gemv.py), unless dtype (the weights')
+    is FP8, which the GEMV path does not take. A handful only: each is a
     compilation of both kernels on a worker's first start on a machine (~3 s on an
     H200)."""
     base = default_config(num_tokens, E, H, I, top_k, dtype)
@@ -149,7 +152,8 @@ def candidate_configs(
         if cfg not in out:
             out.append(cfg)
     out = out[:limit]
-    if num_tokens * top_k <= GEMV_MAX_PAIRS:  # decode batches: the GEMV path too
+    fp8 = torch.tensor([], dtype=dtype).element_size() == 1  # FP8 experts: no GEMV path
+    if num_tokens * top_k <= GEMV_MAX_PAIRS and not fp8:  # decode batches: the GEMV path too
         gemv = default_gemv_config(num_tokens, E, H, I, top_k)
         out += [gemv, {**gemv, "BLOCK_N": gemv["BLOCK_N"] // 2, "BLOCK_K": gemv["BLOCK_K"] * 2}]
     return out
@@ -180,6 +184,8 @@ def _moe_gemm_kernel(
     a_ptr,  # GEMM 1: x [T, K]; GEMM 2: act [M, K]
     b_ptr,  # [E, N or 2N, K]: w13 (gate rows then up rows) or w2
     c_ptr,  # [M, N]
+    as_ptr,  # FP8: a's scales [rows of a, K / SCALE_K]
+    bs_ptr,  # FP8: b's block scales [E, rows of b / SCALE_N, K / SCALE_K]
     weight_ptr,  # [M] routing weights (MUL_WEIGHT)
     sorted_ids_ptr,
     tile_expert_ptr,
@@ -194,6 +200,11 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_bk,
     stride_cm,
+    stride_asm,
+    stride_ask,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV (top_k for GEMM 1, else 1)
     GATED: tl.constexpr,  # B holds 2N rows: silu(gate) * up in the epilogue
     MUL_WEIGHT: tl.constexpr,
@@ -204,6 +215,9 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16
+    FP8: tl.constexpr,  # a and b FP8: each K step's dot scaled by a's and b's block scales
+    SCALE_N: tl.constexpr,  # FP8: rows of b per scale (block_n)
+    SCALE_K: tl.constexpr,  # FP8: columns per scale (block_k; BLOCK_K divides it)
 ):
     # GROUP_M-swizzled order: consecutive programs share B column blocks
     pid = tl.program_id(0)
@@ -228,6 +242,10 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + b_rows[None, :] * stride_bn + offs_k[:, None] * stride_bk
     up_off = N * stride_bn
+    if FP8:
+        as_ptrs = as_ptr + a_rows * stride_asm
+        bs_ptrs = bs_ptr + expert * stride_bse + (b_rows // SCALE_N) * stride_bsn
+        up_scale_off = (N // SCALE_N) * stride_bsn  # N is a multiple of SCALE_N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
@@ -244,14 +262,22 @@ def _moe_gemm_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        if FP8:
+            kb = k // SCALE_K
+            a_s = tl.load(as_ptrs + kb * stride_ask)[:, None]
+            acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs + kb * stride_bsk)[None, :])
             if GATED:
-                b_up = b_up.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if GATED:
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+                b_s_up = tl.load(bs_ptrs + up_scale_off + kb * stride_bsk)[None, :]
+                acc_up += tl.dot(a, b_up) * (a_s * b_s_up)
+        else:
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if GATED:
+                    b_up = b_up.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -265,16 +291,21 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(dtype), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
-def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast):
+def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast, fp8=None):
+    """fp8: None, or (a's scales [rows, K / bk], b's block scales, Fp8Format)."""
     sorted_ids, tile_expert, num_valid = align
     n = c.shape[1]
     k = a.shape[1]
     tiles = tile_expert.shape[0]
     grid = (tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
+    a_scale, b_scale, fmt = fp8 if fp8 is not None else (c, c.view(1, *c.shape), None)
+    block_k = cfg["BLOCK_K"] if fmt is None else min(cfg["BLOCK_K"], fmt.block_k)
     _moe_gemm_kernel[grid](
         a,
         b,
         c,
+        a_scale,
+        b_scale,
         weights if weights is not None else c,
         sorted_ids,
         tile_expert,
@@ -289,22 +320,28 @@ def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast)
         b.stride(1),
         b.stride(2),
         c.stride(0),
+        a_scale.stride(0),
+        a_scale.stride(1),
+        *b_scale.stride(),
         A_ROW_DIV=top_k_div,
         GATED=gated,
         MUL_WEIGHT=weights is not None,
-        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        EVEN_K=k % block_k == 0,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_K=block_k,
         GROUP_M=cfg["GROUP_M"],
         PRECISION=precision,
         UPCAST_DOT=upcast,
+        FP8=fmt is not None,
+        SCALE_N=1 if fmt is None else fmt.block_n,
+        SCALE_K=1 if fmt is None else fmt.block_k,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
 
-def _check(x, router_logits, w13, w2, top_k):
+def _check(x, router_logits, w13, w2, top_k, fp8=None):
     if x.dim() != 2 or router_logits.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             "fused_moe needs x [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I]"
@@ -320,10 +357,32 @@ def _check(x, router_logits, w13, w2, top_k):
         raise ValueError(f"w2 must be [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w2.shape)}")
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    if x.dtype not in MOE_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    weight_dtype = x.dtype if fp8 is None else w13.dtype
+    if x.dtype not in MOE_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
         raise ValueError(
-            f"fused_moe supports fp32/fp16/bf16 x and weights of one dtype, got "
-            f"{x.dtype}, {w13.dtype}, {w2.dtype}"
+            f"fused_moe supports fp32/fp16/bf16 x and weights of one dtype (or FP8 weights "
+            f"with fp8=Fp8Experts), got {x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if fp8 is not None:
+        _check_fp8(fp8, w13, w2, e, h, two_i // 2)
+
+
+def _check_fp8(fp8, w13, w2, e, h, inter):
+    fmt = fp8.fmt
+    if w13.dtype not in FP8_DTYPES or w2.dtype != w13.dtype:
+        raise ValueError(f"FP8 experts need FP8 w13 and w2, got {w13.dtype}, {w2.dtype}")
+    if not experts_fit_fp8(fmt, h, inter):
+        raise ValueError(
+            f"FP8 experts need block weights whose blocks tile H {h} and I {inter}, got {fmt}"
+        )
+    if fmt.block_k & (fmt.block_k - 1) or fmt.block_k < 16:
+        raise ValueError(f"the FP8 MoE GEMMs need a power-of-two block_k >= 16, not {fmt.block_k}")
+    want13 = (e, 2 * inter // fmt.block_n, h // fmt.block_k)
+    want2 = (e, h // fmt.block_n, inter // fmt.block_k)
+    if tuple(fp8.w13_scale.shape) != want13 or tuple(fp8.w2_scale.shape) != want2:
+        raise ValueError(
+            f"FP8 expert scales must be w13 {want13} and w2 {want2}, got "
+            f"{tuple(fp8.w13_scale.shape)} and {tuple(fp8.w2_scale.shape)}"
         )
 
 
@@ -336,20 +395,26 @@ def fused_moe(
     renormalize: bool,
     *,
     config: dict | None = None,
+    fp8: Fp8Experts | None = None,
 ) -> torch.Tensor:
     """KernelBackend.fused_moe: x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I] -> [T, H] in x's dtype. Any strides; fp32
     accumulation. config: launch settings (keys CONFIG_KEYS), default_config's when
-    None."""
-    _check(x, router_logits, w13, w2, top_k)
+    None. fp8: FP8 w13 / w2 with block scales; each GEMM's input is quantized per
+    token (pair) and block_k group first (fp8_gemm.quantize_activation), then every K
+    step's FP8 dot is scaled by the row's and the weight block's scales, as the block
+    FP8 GEMM does."""
+    _check(x, router_logits, w13, w2, top_k, fp8)
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
     if t == 0 or h == 0 or inter == 0:
         return torch.zeros_like(x)
     check_device(_moe_gemm_kernel, x, router_logits, w13, w2)
-    cfg = _check_config(dict(config or default_config(t, e, h, inter, top_k, x.dtype)))
+    cfg = _check_config(dict(config or default_config(t, e, h, inter, top_k, w13.dtype)))
     if cfg.get("kernel") == "gemv":
+        if fp8 is not None:
+            raise ValueError("the MoE GEMV path (moe_gemv.py) has no FP8 weights")
         return fused_moe_gemv(x, router_logits, w13, w2, top_k, renormalize, cfg)
 
     weights, _, *align = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"], x.dtype)
@@ -358,9 +423,18 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
 
     act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, act, None, align, top_k, True, cfg, precision, upcast)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
-    _moe_gemm(act, w2, out, weights, align, 1, False, cfg, precision, upcast)
+    if fp8 is not None:
+        bk = fp8.fmt.block_k
+        xq, xs = quantize_activation(x, bk, w13.dtype)
+        _moe_gemm(xq, w13, act, None, align, top_k, True, cfg, None, False,
+                  (xs, fp8.w13_scale, fp8.fmt))  # fmt: skip
+        aq, a_s = quantize_activation(act, bk, w2.dtype)
+        _moe_gemm(aq, w2, out, weights, align, 1, False, cfg, None, False,
+                  (a_s, fp8.w2_scale, fp8.fmt))  # fmt: skip
+    else:
+        _moe_gemm(x, w13, act, None, align, top_k, True, cfg, precision, upcast)
+        _moe_gemm(act, w2, out, weights, align, 1, False, cfg, precision, upcast)
     if top_k == 1:
         return out
     return out.view(t, top_k, h).sum(dim=1)
