@@ -16,13 +16,13 @@ same call with the same host lists; only rank 0 samples."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner, decode_graph_max_batch
+from services.engine.kernel_shapes import kernel_shapes
 from services.engine.mixed_graph import MixedGraphs, mixed_capture_sizes
 from services.engine.sampler import (
     DeviceTokens,
@@ -43,10 +43,8 @@ from services.engine.step_inputs import (
 )
 from services.engine.tp_ranks import TPRanks
 from services.kernels import get_backend
-from services.kernels.fp8 import FP8_FNUZ_DTYPE, experts_fit_fp8, platform_fp8_dtype
-from services.kernels.shape_classes import KernelShapes, weight_quant_tag
+from services.kernels.fp8 import FP8_FNUZ_DTYPE, platform_fp8_dtype
 from services.models.loader import load_model
-from services.models.quantization import quantization_of
 from services.models.tensor_parallel import TPGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,32 +71,6 @@ class KVCacheSpec:
     def block_bytes(self) -> int:
         elem = self.dtype.itemsize
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-
-def kernel_shapes(config, hf_config) -> KernelShapes:
-    """What the kernel tuner measures for this engine config and model: one rank's
-    shapes, dtypes, KV cache dtype and FP8 weight format."""
-    quant = quantization_of(hf_config, config.quantization)
-    # the unfused layers' format: a per-tensor checkpoint's fused qkv / gate_up are
-    # per-channel, the same kernels with a row of scales
-    fmt = quant.layer_format(fused=False) if quant is not None else None
-    shapes = KernelShapes.from_hf_config(
-        hf_config,
-        config.block_size,
-        config.torch_dtype_name,
-        kv_cache_dtype="fp8_e4m3" if config.kv_cache_fp8 else "auto",
-        weight_quant=weight_quant_tag(fmt),
-        tp_size=config.tensor_parallel_size,
-    )
-    # the loader's rule (loader._use_fp8_experts), less its check that the checkpoint
-    # quantizes the experts at all: every published block-FP8 MoE does
-    fp8_experts = (
-        quant is not None
-        and not quant.online
-        and shapes.num_experts > 0
-        and experts_fit_fp8(fmt, shapes.hidden_size, shapes.moe_intermediate_size)
-    )
-    return dataclasses.replace(shapes, fp8_experts=fp8_experts) if fp8_experts else shapes
 
 
 class ModelRunner:

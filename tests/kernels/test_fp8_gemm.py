@@ -298,7 +298,7 @@ def test_the_engine_asks_the_tuner_for_its_fp8_format():
     from transformers import LlamaConfig
 
     from services.engine import EngineConfig
-    from services.engine.model_runner import kernel_shapes
+    from services.engine.kernel_shapes import kernel_shapes
 
     hf = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=96)
     plain = EngineConfig(model="unused", dtype="float32")
@@ -307,3 +307,24 @@ def test_the_engine_asks_the_tuner_for_its_fp8_format():
     assert kernel_shapes(online, hf).weight_quant == "fp8_channel"
     hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert kernel_shapes(plain, hf).weight_quant == "fp8_block_128x128"
+
+
+def test_the_engine_asks_the_tuner_for_fp8_experts_where_the_loader_keeps_them():
+    from transformers import Qwen3MoeConfig
+
+    from services.engine import EngineConfig
+    from services.engine.kernel_shapes import kernel_shapes
+
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    plain = EngineConfig(model="unused", dtype="float32")
+    hf = Qwen3MoeConfig(hidden_size=256, num_attention_heads=4, moe_intermediate_size=128)
+    assert not kernel_shapes(plain, hf).fp8_experts  # unquantized
+    hf.quantization_config = block
+    shapes = kernel_shapes(plain, hf)
+    assert shapes.fp8_experts and shapes.weight_quant == "fp8_block_128x128"
+    odd = Qwen3MoeConfig(hidden_size=256, num_attention_heads=4, moe_intermediate_size=96)
+    odd.quantization_config = block  # 96 is no multiple of 128: dequantized at load
+    assert not kernel_shapes(plain, odd).fp8_experts
+    online = EngineConfig(model="unused", dtype="float32", quantization="fp8")
+    hf.quantization_config = None
+    assert not kernel_shapes(online, hf).fp8_experts
