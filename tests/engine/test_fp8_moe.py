@@ -47,21 +47,20 @@ def moe_fp8(tmp_path_factory):
     return write_fp8_moe_checkpoint(tmp_path_factory.mktemp("moe_fp8"))
 
 
-def write_fp8_moe_checkpoint(root):
+def write_fp8_moe_checkpoint(root, **overrides):
     """A random Qwen3-MoE in block FP8 at root/"q", its dequantized twin at root/"ref";
-    returns (q, ref, the quantized tensors)."""
+    returns (q, ref, the quantized tensors). overrides: config fields."""
     from safetensors.torch import load_file, save_file
 
     # hidden 128, experts 128 wide, 4 KV heads of 32 (q, k, v start on 128-row
     # boundaries of the fused qkv): whole 128 x 128 blocks, as the published sizes tile
-    src = save_random_moe_model(
-        root / "src",
-        "qwen3_moe",
+    sizes = dict(
         moe_intermediate_size=128,
         num_key_value_heads=4,
-        num_hidden_layers=2,  # a MoE layer and a dense one, as the dense FP8 tests' two
+        num_hidden_layers=2,  # a MoE layer and a dense one, as the dense FP8 tests
         initializer_range=0.02,
     )
+    src = save_random_moe_model(root / "src", "qwen3_moe", **{**sizes, **overrides})
     tensors, deq = {}, {}
     gen = torch.Generator().manual_seed(1)
     for name, value in load_file(src / "model.safetensors").items():

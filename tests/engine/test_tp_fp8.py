@@ -116,3 +116,17 @@ def test_block_split_inside_a_scale_block_is_refused(block_fp8):  # noqa: F811
 
 
 TOL_SAME_GROUPS = 1e-3
+
+
+def test_block_fp8_moe_tp2_equals_tp1(tmp_path):
+    """FP8 experts under TP=2: each rank keeps its 128 columns of every expert's
+    width (gate / up rows, down columns) with their block scales; the same 128-wide
+    activation groups on both, so only fp32 summation order differs."""
+    from tests.engine.test_fp8_moe import write_fp8_moe_checkpoint
+
+    # q, k and v 128 rows per rank, experts and the dense MLP 128 wide per rank
+    path, _, _ = write_fp8_moe_checkpoint(
+        tmp_path, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=64,
+    )  # fmt: skip
+    assert _gap(_run(path, 1), _run(path, 2)) < TOL_SAME_GROUPS
