@@ -22,6 +22,12 @@ Steps (M = T * top_k (token, expert) pairs, pair p = t * top_k + slot):
    -> [M, H] in x's dtype, indexed by pair; then [T, top_k, H].sum(1) (fp32
    accumulation inside torch's reduction; no atomics, deterministic).
 
+FP8 experts (`fp8=Fp8Experts`, block-FP8 w13 / w2): each GEMM's input is quantized
+first, per token (GEMM 1) or pair (GEMM 2) and block_k group (fp8_gemm's quantizer, one
+launch each), and every K step's FP8 dot is scaled by the row's activation scale and
+the weight block's scale before it is added (the block FP8 GEMM's scheme; BLOCK_K is
+cut to divide block_k). The GEMV path takes no FP8 weights.
+
 Both GEMMs launch the static maximum grid (tiles x column blocks, GROUP_M-swizzled);
 programs whose tile is past `num_valid_tiles` return at once, and padding rows are
 masked on store. Launch settings come from a config dict (BLOCK_M, BLOCK_N, BLOCK_K,
