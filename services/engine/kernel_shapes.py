@@ -28,11 +28,13 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
         tp_size=config.tensor_parallel_size,
     )
     # the loader's rule (loader._use_fp8_experts), less its check that the checkpoint
-    # quantizes the experts at all: every published block-FP8 MoE does
+    # quantizes the experts at all: every published FP8 MoE does
     fp8_experts = (
         quant is not None
         and not quant.online
         and shapes.num_experts > 0
-        and experts_fit_fp8(fmt, shapes.hidden_size, shapes.moe_intermediate_size)
+        and experts_fit_fp8(
+            shapes.expert_fp8_format(), shapes.hidden_size, shapes.moe_intermediate_size
+        )
     )
     return dataclasses.replace(shapes, fp8_experts=fp8_experts) if fp8_experts else shapes

@@ -79,24 +79,43 @@ class Fp8Format:
 @dataclass(frozen=True, eq=False)
 class Fp8Experts:
     """A MoE layer's FP8 experts as fused_moe reads them: w13 [E, 2I, H] and w2 [E, H, I]
-    in FP8 (passed as fused_moe's weights) with these block scales (dequantized =
-    fp8 * scale per block_n x block_k block): w13_scale [E, 2I / bn, H / bk] (the gate
-    rows' blocks, then the up rows'), w2_scale [E, H / bn, I / bk]. Block weights only,
-    whose blocks tile H and I exactly (`experts_fit_fp8`); activations are quantized
-    per token and block_k group at each expert GEMM's input, as for a block linear."""
+    in FP8 (passed as fused_moe's weights) with these scales (dequantized = fp8 *
+    scale), by fmt:
+    - block (block_n x block_k blocks, which tile H and I: `experts_fit_fp8`):
+      w13_scale [E, 2I / bn, H / bk] (the gate rows' blocks, then the up rows'),
+      w2_scale [E, H / bn, I / bk]; activations quantized per token and block_k group
+      at each expert GEMM's input, as for a block linear;
+    - channel (one scale per output row; a per-tensor checkpoint's scale repeated):
+      w13_scale [E, 2I], w2_scale [E, H]; activations quantized per token over the
+      whole row, as for a channel linear."""
 
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     fmt: Fp8Format
 
+    def scale_shapes(self, e: int, h: int, inter: int) -> tuple[tuple, tuple]:
+        """The (w13_scale, w2_scale) shapes experts of these sizes have in fmt."""
+        return expert_scale_shapes(self.fmt, e, h, inter)
+
+
+def expert_scale_shapes(fmt: Fp8Format, e: int, h: int, inter: int) -> tuple[tuple, tuple]:
+    if fmt.granularity == "block":
+        return (
+            (e, 2 * inter // fmt.block_n, h // fmt.block_k),
+            (e, h // fmt.block_n, inter // fmt.block_k),
+        )
+    return (e, 2 * inter), (e, h)
+
 
 def experts_fit_fp8(fmt: Fp8Format | None, hidden: int, intermediate: int) -> bool:
-    """Whether MoE experts of these sizes can stay in FP8: block weights whose blocks
-    tile H and I (this rank's) exactly, so the gate and up halves of w13 never share a
-    scale block (every published block-FP8 MoE: Qwen3-30B-A3B H 2048 / I 768,
-    DeepSeek-V3 7168 / 2048)."""
-    if fmt is None or fmt.granularity != "block":
+    """Whether MoE experts of these sizes can stay in FP8: channel experts always; block
+    ones whose blocks tile H and I (this rank's) exactly, so the gate and up halves of
+    w13 never share a scale block (every published block-FP8 MoE: Qwen3-30B-A3B H 2048
+    / I 768, DeepSeek-V3 7168 / 2048)."""
+    if fmt is None or fmt.granularity == "tensor":
         return False
+    if fmt.granularity == "channel":
+        return True
     return all(d % b == 0 for d in (hidden, intermediate) for b in (fmt.block_n, fmt.block_k))
 
 
@@ -216,20 +235,21 @@ def fp8_linear_reference(x: torch.Tensor, layer) -> torch.Tensor:
 
 def fused_moe_fp8_reference(x, weights, ids, w13, w2, fp8: Fp8Experts, silu_and_mul):
     """The FP8 experts' reference, given the routing (weights [T, top_k] in x's dtype,
-    ids [T, top_k]): per expert, its tokens through two block FP8 linears (each input
-    quantized per token and block_k group, fp32 products, rounded to x's dtype) with
+    ids [T, top_k]): per expert, its tokens through two FP8 linears of fp8.fmt (each
+    input quantized as that format says, fp32 products, rounded to x's dtype) with
     silu_and_mul between, weighted and summed in expert order (host syncs: eager)."""
     fmt = fp8.fmt
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
-        gate_up = _block_linear(x[token], w13[e], fp8.w13_scale[e], fmt)
-        down = _block_linear(silu_and_mul(gate_up), w2[e], fp8.w2_scale[e], fmt)
+        gate_up = _expert_linear(x[token], w13[e], fp8.w13_scale[e], fmt)
+        down = _expert_linear(silu_and_mul(gate_up), w2[e], fp8.w2_scale[e], fmt)
         out.index_add_(0, token, down * weights[token, slot, None])
     return out
 
 
-def _block_linear(x, weight, scale, fmt):
-    xq, xs = quantize_activation(x, fmt.block_k, weight.dtype)
-    out = dequantize_activation(xq, xs, fmt.block_k) @ dequantize_weight(weight, scale, fmt).t()
+def _expert_linear(x, weight, scale, fmt):
+    group = fmt.act_group(x.shape[-1])
+    xq, xs = quantize_activation(x, group, weight.dtype)
+    out = dequantize_activation(xq, xs, group) @ dequantize_weight(weight, scale, fmt).t()
     return out.to(x.dtype)

@@ -198,7 +198,9 @@ class KernelShapes:
             )
         if self.fp8_experts and not (
             self.num_experts
-            and experts_fit_fp8(self.fp8_format(), self.hidden_size, self.moe_intermediate_size)
+            and experts_fit_fp8(
+                self.expert_fp8_format(), self.hidden_size, self.moe_intermediate_size
+            )
         ):
             raise ValueError(
                 "fp8_experts needs a MoE and a block weight_quant whose blocks tile its sizes"
@@ -263,6 +265,14 @@ class KernelShapes:
         raise ValueError(
             f"weight_quant {tag!r}: expected '', 'fp8_channel', 'fp8_tensor' or 'fp8_block_<n>x<k>'"
         )
+
+    def expert_fp8_format(self) -> Fp8Format | None:
+        """The format FP8 experts take: block as the weights, else channel (a per-tensor
+        checkpoint's experts keep a scale per row, as its fused layers do)."""
+        fmt = self.fp8_format()
+        if fmt is None or fmt.granularity == "block":
+            return fmt
+        return Fp8Format("channel")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -73,9 +73,10 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
         x = rand(n, h)
         kwargs = {}
         if shapes.fp8_experts:  # the model keeps its experts in FP8: measure those
-            w13, s13 = random_fp8_experts(e, 2 * inter, h, shapes.fp8_format(), gen, device)
-            w2, s2 = random_fp8_experts(e, h, inter, shapes.fp8_format(), gen, device)
-            kwargs["fp8"] = Fp8Experts(s13, s2, shapes.fp8_format())
+            fmt = shapes.expert_fp8_format()
+            w13, s13 = random_fp8_experts(e, 2 * inter, h, fmt, gen, device)
+            w2, s2 = random_fp8_experts(e, h, inter, fmt, gen, device)
+            kwargs["fp8"] = Fp8Experts(s13, s2, fmt)
         else:
             w13, w2 = rand(e, 2 * inter, h, scale=h**-0.5), rand(e, h, inter, scale=inter**-0.5)
         # each row a permutation of distinct logits that every dtype holds exactly: the
@@ -151,11 +152,13 @@ def random_fp8_layer(k: int, n: int, fmt, gen, device) -> _Fp8Layer:
 
 def random_fp8_experts(e: int, n: int, k: int, fmt, gen, device):
     """E stacked [n, k] FP8 expert weights, uniform in +-k**-0.5 once dequantized, with
-    their block scales (the FP8 type of this device: fnuz on MI300)."""
+    their block or channel scales (the FP8 type of this device: fnuz on MI300)."""
     dtype = platform_fp8_dtype(device)
     top = fp8_max(dtype)
     weight = (torch.rand(e, n, k, generator=gen) * 2 - 1) * top
-    scale = torch.full((e, n // fmt.block_n, k // fmt.block_k), k**-0.5 / top)
+    blocks = fmt.granularity == "block"
+    shape = (e, n // fmt.block_n, k // fmt.block_k) if blocks else (e, n)
+    scale = torch.full(shape, k**-0.5 / top)
     return weight.to(dtype).to(device), scale.to(device)
 
 

@@ -172,9 +172,10 @@ def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
 
 
 def _use_fp8_experts(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
-    """Keep MoE experts in FP8 where the fused MoE computes them: block checkpoints
-    whose blocks tile H and this rank's I. Others (channel / tensor scales, online
-    quantization, odd sizes) keep their experts in the engine dtype, said once."""
+    """Keep MoE experts in FP8 where the fused MoE computes them: channel- and
+    tensor-scaled checkpoints (as channel), block ones whose blocks tile H and this
+    rank's I. Others (online quantization, odd block sizes) keep their experts in the
+    engine dtype, said once."""
     fmt = quant.layer_format(fused=True)
     kept, full = 0, []
     for name, module in model.named_modules():
@@ -266,7 +267,8 @@ def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None)
                 loaded[target[0]].add(target[1])
         log.warning(
             "%d FP8 MoE expert weights dequantized at load to the engine dtype (the "
-            "fused MoE takes block-FP8 experts only): they take that dtype's memory",
+            "fused MoE takes block experts only whose blocks tile H and I): they take "
+            "that dtype's memory",
             len(experts),
         )
     missing = [

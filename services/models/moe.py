@@ -14,6 +14,7 @@ from services.kernels.fp8 import (
     FP8_FNUZ_DTYPE,
     Fp8Experts,
     Fp8Format,
+    expert_scale_shapes,
     fn_to_fnuz,
     fp8_max,
 )
@@ -29,11 +30,12 @@ class FusedMoE(nn.Module):
     gate/up split like a column-parallel layer, down like a row-parallel one), and the
     partial outputs are summed; the router is replicated.
 
-    FP8 experts (`use_fp8`, block-FP8 checkpoints such as Qwen3-30B-A3B-FP8): w13 / w2
-    hold the checkpoint's FP8 weights and w13_scale [E, 2I/bn, H/bk] / w2_scale [E,
-    H/bn, I/bk] their block scales (`weight_scale_inv`), passed to fused_moe as an
-    fp8.Fp8Experts; on MI300 the weights become e4m3fnuz and the scales double, as for
-    an Fp8Linear."""
+    FP8 experts (`use_fp8`: block-FP8 checkpoints such as Qwen3-30B-A3B-FP8, and
+    compressed-tensors FP8 ones): w13 / w2 hold the checkpoint's FP8 weights and
+    w13_scale / w2_scale their scales as fp8.Fp8Experts lays them out (block: [E, 2I/bn,
+    H/bk] / [E, H/bn, I/bk]; channel: [E, 2I] / [E, H], a per-tensor checkpoint's scale
+    repeated on every row), passed to fused_moe as an Fp8Experts; on MI300 the weights
+    become e4m3fnuz and the scales double, as for an Fp8Linear."""
 
     def __init__(
         self,
@@ -71,8 +73,9 @@ class FusedMoE(nn.Module):
 
         self.w13 = param(e, two_i, h, dtype=fp8_dtype)
         self.w2 = param(e, h, inter, dtype=fp8_dtype)
-        self.w13_scale = param(e, two_i // fmt.block_n, h // fmt.block_k, dtype=torch.float32)
-        self.w2_scale = param(e, h // fmt.block_n, inter // fmt.block_k, dtype=torch.float32)
+        shape13, shape2 = expert_scale_shapes(fmt, e, h, inter)
+        self.w13_scale = param(*shape13, dtype=torch.float32)
+        self.w2_scale = param(*shape2, dtype=torch.float32)
         self.fp8_format = fmt
 
     def forward(self, x):
@@ -101,16 +104,26 @@ class FusedMoE(nn.Module):
         """One expert's checkpoint tensor (gate / up: shard 0 / 1 of w13; down: w2), or
         with FP8 experts its block scales (param w13_scale / w2_scale)."""
         target = getattr(self, param).data[expert]
-        size = self.intermediate_size
+        size = self.intermediate_size  # this rank's share of I, along dim `split`
+        split = 0 if shard is not None else 1
         fmt = self.fp8_format
-        if fmt is not None:
+        if fmt is not None and param.endswith("_scale"):
             tensor = self._fp8_checkpoint_tensor(param, expert, tensor)
-            if param.endswith("_scale"):  # sizes along I in scale blocks
+            if fmt.granularity == "block":  # sizes along I in scale blocks
                 size //= fmt.block_n if shard is not None else fmt.block_k
+            else:  # channel: a scale per output row ([N, 1], [N]; per-tensor [1])
+                tensor = tensor.reshape(-1)
+                rows = size * self.tp.size if shard is not None else target.shape[0]
+                if tensor.numel() == 1:
+                    tensor = tensor.expand(rows)  # a per-tensor scale on every row: exact
+                if shard is None:
+                    split = None  # down's rows are H: every rank has all of them
+        elif fmt is not None:
+            tensor = self._fp8_checkpoint_tensor(param, expert, tensor)
         if shard is not None:
             target = target[shard * size : (shard + 1) * size]
-        if self.tp.size > 1:  # this rank's share of the expert's width
-            tensor = tensor.narrow(0 if shard is not None else 1, self.tp.rank * size, size)
+        if self.tp.size > 1 and split is not None:  # this rank's share of the width
+            tensor = tensor.narrow(split, self.tp.rank * size, size)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"expert {expert} {param} shard {shard}: checkpoint shape "

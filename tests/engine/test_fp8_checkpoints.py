@@ -275,15 +275,16 @@ def test_quantization_argument_is_validated(block_fp8, ct_config_only, tmp_path)
         LLM(other, num_kv_blocks=8)
 
 
-def test_fp8_moe_checkpoint_dense_layers_fp8_experts_dequantized(tmp_path, caplog):
-    """A compressed-tensors FP8 Qwen3-MoE (experts stored per expert in FP8 with their
-    scales, the router ignored as published configs do): attention and the dense MLP
-    stay FP8, the experts are dequantized into the stacked w13 / w2 (logged), and the
-    model computes what transformers computes on those weights with the same
-    activation quantization."""
+def test_compressed_tensors_fp8_moe_keeps_experts_fp8(tmp_path, caplog):
+    """A compressed-tensors FP8 Qwen3-MoE (every expert stored in FP8 with its
+    per-channel `weight_scale` [N, 1], the router ignored as published configs do):
+    attention, the dense MLP and the experts stay FP8 (the experts' scales one per row
+    of w13 / w2), and the model computes what transformers computes on those weights
+    with the same activation quantization, the experts' included."""
     from safetensors.torch import load_file, save_file
 
     from tests.engine.helpers import save_random_moe_model
+    from tests.engine.test_fp8_moe import fake_quant_experts
 
     src = save_random_moe_model(tmp_path / "moe", "qwen3_moe")
     tensors, deq = {}, {}
@@ -305,19 +306,27 @@ def test_fp8_moe_checkpoint_dense_layers_fp8_experts_dequantized(tmp_path, caplo
     ref = shutil.copytree(src, tmp_path / "ref")
     save_file({k: v.contiguous() for k, v in deq.items()}, ref / "model.safetensors")
 
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         llm = LLM(str(qdir), max_num_batched_tokens=64)
-    assert "expert weights dequantized at load" in caplog.text
+    assert "keep their experts in FP8" in caplog.text
+    assert "dequantized at load" not in caplog.text
     layers = fp8_layers(llm)
     assert "model.layers.1.mlp.gate_up_proj" in layers  # layer 1 is dense (mlp_only_layers)
     assert "model.layers.0.self_attn.qkv_proj" in layers
     model = llm.engine.runner.model
     moe = model.model.layers[0].mlp
+    inter = moe.intermediate_size
     assert type(moe.gate).__name__ == "Linear" and moe.gate.weight.dtype == torch.float32
-    expert3_up = deq["model.layers.0.mlp.experts.3.up_proj.weight"]
-    assert torch.equal(moe.w13[3, moe.intermediate_size :], expert3_up)
-    assert torch.equal(moe.w2[5], deq["model.layers.0.mlp.experts.5.down_proj.weight"])
+    assert moe.w13.dtype == FP8 and moe.w13_scale.shape == (8, 2 * inter)
+    up3 = "model.layers.0.mlp.experts.3.up_proj."
+    assert torch.equal(
+        moe.w13[3, inter:].view(torch.uint8), tensors[up3 + "weight"].view(torch.uint8)
+    )
+    assert torch.equal(moe.w13_scale[3, inter:], tensors[up3 + "weight_scale"].reshape(-1))
+    down5 = "model.layers.0.mlp.experts.5.down_proj.weight_scale"
+    assert torch.equal(moe.w2_scale[5], tensors[down5].reshape(-1))
     emulated = fake_quant_activations(hf_load(ref), None)
+    fake_quant_experts(emulated, None)
     few = prompts()[:4]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=1, ignore_eos=True)
     for prompt, out in zip(few, llm.generate(few, params)):

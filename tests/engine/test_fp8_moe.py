@@ -21,18 +21,19 @@ from tests.engine.helpers import save_random_moe_model
 EXPERT = "model.layers.0.mlp.experts."
 
 
-def _fake_quant_experts(hf) -> None:
-    """transformers' stacked experts with their inputs quantized per token and 128
-    columns, as the fused MoE's W8A8 GEMMs see them (the loop of Qwen3MoeExperts)."""
+def fake_quant_experts(hf, group: int | None = BLOCK) -> None:
+    """transformers' stacked experts with their inputs quantized per token and `group`
+    columns (None: the whole row), as the fused MoE's W8A8 GEMMs see them (the loop of
+    Qwen3MoeExperts)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for e in top_k_index.unique().tolist():
             token, pos = torch.where(top_k_index == e)
-            x = fake_quant(hidden_states[token], BLOCK)
+            x = fake_quant(hidden_states[token], group)
             gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fake_quant(self.act_fn(gate) * up, BLOCK)
+            h = fake_quant(self.act_fn(gate) * up, group)
             h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token, pos, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
@@ -109,7 +110,7 @@ def test_block_fp8_moe_keeps_experts_fp8_and_tracks_transformers(moe_fp8, caplog
     assert torch.equal(moe.w2[5].view(torch.uint8), down5.view(torch.uint8))
     assert torch.equal(moe.w2_scale[5], tensors[EXPERT + "5.down_proj.weight_scale_inv"])
     assert moe.gate.weight.dtype == torch.float32  # the router stays full precision
-    compare(llm, ref, BLOCK, emulate=_fake_quant_experts)
+    compare(llm, ref, BLOCK, emulate=fake_quant_experts)
 
 
 def test_dummy_fp8_moe_weights_are_fp8(moe_fp8):
@@ -119,3 +120,19 @@ def test_dummy_fp8_moe_weights_are_fp8(moe_fp8):
     assert moe.w13.dtype == FP8 and bool((moe.w13_scale > 0).all())
     out = llm.generate([[5, 6, 7]], None)[0]
     assert len(out.output.token_ids) > 0
+
+
+def test_block_experts_that_blocks_do_not_tile_are_dequantized_visibly(tmp_path, caplog):
+    """Experts 64 wide in 128 x 128 blocks: the gate and up halves would share a scale
+    block, so the experts are dequantized to the engine dtype at load (logged), and
+    compute what transformers computes on those weights (experts unquantized there,
+    the attention and dense layers still W8A8)."""
+    qdir, ref, tensors = write_fp8_moe_checkpoint(tmp_path, moe_intermediate_size=64)
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(qdir), max_num_batched_tokens=64)
+    assert "expert weights dequantized at load" in caplog.text
+    moe = llm.engine.runner.model.model.layers[0].mlp
+    assert moe.w13.dtype == torch.float32 and moe.fp8_format is None
+    w, s = tensors[EXPERT + "2.down_proj.weight"], tensors[EXPERT + "2.down_proj.weight_scale_inv"]
+    assert torch.equal(moe.w2[2], w.float() * s.repeat_interleave(BLOCK, 1)[:, :64])
+    compare(llm, ref, BLOCK)

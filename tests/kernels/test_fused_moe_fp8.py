@@ -29,12 +29,15 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_sta
 
 
 def _experts(e, h, inter, fmt, device, seed=0):
-    """Random FP8 experts with per-block scales that differ block to block."""
+    """Random FP8 experts with scales that differ block to block (row to row)."""
     g = torch.Generator().manual_seed(seed)
 
     def weight(rows, cols, fan_in):
         w = ((torch.rand(e, rows, cols, generator=g) * 2 - 1) * 400).to(FP8_DTYPE)
-        s = torch.rand(e, rows // fmt.block_n, cols // fmt.block_k, generator=g) + 0.5
+        if fmt.granularity == "block":
+            s = torch.rand(e, rows // fmt.block_n, cols // fmt.block_k, generator=g) + 0.5
+        else:
+            s = torch.rand(e, rows, generator=g) + 0.5
         return w.to(device), (s * fan_in**-0.5 / 400).to(device)
 
     w13, s13 = weight(2 * inter, h, h)
@@ -65,8 +68,10 @@ def _dequantized(x, logits, w13, w2, fp8, top_k):
     [
         (Fp8Format("block", 16, 16), 32, 16, SMALL),
         (Fp8Format("block", 128, 128), 256, 128, None),  # the published block size
+        (Fp8Format("channel"), 32, 24, SMALL),  # llm-compressor's FP8_DYNAMIC experts
+        (Fp8Format("channel"), 256, 128, None),
     ],
-    ids=["block16", "block128"],
+    ids=["block16", "block128", "channel-small", "channel"],
 )
 @pytest.mark.parametrize("t", [1, 5])
 def test_triton_fp8_moe_matches_the_reference(fmt, h, inter, config, t, device):
@@ -106,15 +111,16 @@ def test_fp8_experts_are_refused_where_they_cannot_run(device):
         fused_moe(x, logits, w13.float(), w2.float(), 2, True, config=SMALL, fp8=fp8)
     # experts whose blocks do not tile I stay out of FP8 (the loader dequantizes them)
     assert not experts_fit_fp8(Fp8Format("block", 128, 128), 2048, 96)
-    assert not experts_fit_fp8(Fp8Format("channel"), 2048, 768)
     assert experts_fit_fp8(Fp8Format("block", 128, 128), 2048, 768)
+    assert experts_fit_fp8(Fp8Format("channel"), 2048, 96)
+    assert not experts_fit_fp8(Fp8Format("tensor"), 2048, 768)  # the loader makes channel
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [Fp8Format("block", 128, 128), Fp8Format("channel")], ids=str)
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
-def test_fp8_moe_on_gpu_at_qwen3_30b_a3b_shapes(t):
+def test_fp8_moe_on_gpu_at_qwen3_30b_a3b_shapes(t, fmt):
     # 128 experts, top-8, H 2048, I 768, bf16 activations; CUDA-graph replay equals eager
-    fmt = Fp8Format("block", 128, 128)
     e, h, inter, top_k = 128, 2048, 768, 8
     w13, w2, fp8 = _experts(e, h, inter, fmt, "cuda")
     x, logits = _inputs(t, e, h, torch.bfloat16, "cuda")
@@ -157,7 +163,8 @@ def test_engine_on_fp8_experts_triton_equals_torch(tmp_path, device, monkeypatch
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
 
 
-def test_tuner_measures_fused_moe_on_fp8_experts(device):
+@pytest.mark.parametrize("quant", ["fp8_block_16x16", "fp8_channel", "fp8_tensor"])
+def test_tuner_measures_fused_moe_on_fp8_experts(quant, device):
     """KernelShapes.fp8_experts: the tuner's fused_moe case runs FP8 experts with block
     scales; the triton candidate matches the fp32 reference on them, one that ignored
     the scales would be rejected, and the GEMV path is not offered."""
@@ -168,9 +175,11 @@ def test_tuner_measures_fused_moe_on_fp8_experts(device):
 
     common = dict(num_experts=4, top_k=2, moe_intermediate_size=32)
     shapes = KernelShapes(
-        32, 4, 2, 16, 96, 16, "bfloat16", **common, weight_quant="fp8_block_16x16",
-        fp8_experts=True,
+        32, 4, 2, 16, 96, 16, "bfloat16", **common, weight_quant=quant, fp8_experts=True,
     )  # fmt: skip
+    # a per-tensor checkpoint's experts keep a scale per row, as the loader builds them
+    want = "block" if "block" in quant else "channel"
+    assert shapes.expert_fp8_format().granularity == want
     sizes = TuningSizes.tiny()
     device = torch.device(device)
     ref = run_case("fused_moe", "decode8", shapes, sizes, device, torch.float32, REF)[1]

@@ -22,11 +22,13 @@ Steps (M = T * top_k (token, expert) pairs, pair p = t * top_k + slot):
    -> [M, H] in x's dtype, indexed by pair; then [T, top_k, H].sum(1) (fp32
    accumulation inside torch's reduction; no atomics, deterministic).
 
-FP8 experts (`fp8=Fp8Experts`, block-FP8 w13 / w2): each GEMM's input is quantized
-first, per token (GEMM 1) or pair (GEMM 2) and block_k group (fp8_gemm's quantizer, one
-launch each), and every K step's FP8 dot is scaled by the row's activation scale and
-the weight block's scale before it is added (the block FP8 GEMM's scheme; BLOCK_K is
-cut to divide block_k). The GEMV path takes no FP8 weights.
+FP8 experts (`fp8=Fp8Experts`, FP8 w13 / w2): each GEMM's input is quantized first,
+per token (GEMM 1) or pair (GEMM 2), per block_k group for block weights and over the
+whole row for channel ones (fp8_gemm's quantizer, one launch each). Block weights:
+every K step's FP8 dot is scaled by the row's activation scale and the weight block's
+scale before it is added (the block FP8 GEMM's scheme; BLOCK_K is cut to divide
+block_k). Channel weights: the dots sum unscaled and the epilogue multiplies by the
+row's and the column's scales. The GEMV path takes no FP8 weights.
 
 Both GEMMs launch the static maximum grid (tiles x column blocks, GROUP_M-swizzled);
 programs whose tile is past `num_valid_tiles` return at once, and padding rows are
@@ -47,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.fp8 import FP8_DTYPES, Fp8Experts, experts_fit_fp8
+from services.kernels.fp8 import FP8_DTYPES, Fp8Experts, expert_scale_shapes, experts_fit_fp8
 from services.kernels.triton._launch import check_device, is_interpreted
 from services.kernels.triton.fp8_gemm import quantize_activation
 from services.kernels.triton.moe_align import route_and_align
@@ -221,9 +223,10 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16
-    FP8: tl.constexpr,  # a and b FP8: each K step's dot scaled by a's and b's block scales
-    SCALE_N: tl.constexpr,  # FP8: rows of b per scale (block_n)
-    SCALE_K: tl.constexpr,  # FP8: columns per scale (block_k; BLOCK_K divides it)
+    FP8: tl.constexpr,  # a and b FP8, scaled by a's (per row) and b's scales
+    PER_BLOCK: tl.constexpr,  # FP8 block weights: every K step's dot; else the epilogue
+    SCALE_N: tl.constexpr,  # FP8: rows of b per scale (block_n; 1 for channel scales)
+    SCALE_K: tl.constexpr,  # FP8 block: columns per scale (block_k; BLOCK_K divides it)
 ):
     # GROUP_M-swizzled order: consecutive programs share B column blocks
     pid = tl.program_id(0)
@@ -268,7 +271,7 @@ def _moe_gemm_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None], other=0.0)
-        if FP8:
+        if PER_BLOCK:
             kb = k // SCALE_K
             a_s = tl.load(as_ptrs + kb * stride_ask)[:, None]
             acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs + kb * stride_bsk)[None, :])
@@ -287,6 +290,11 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if FP8 and not PER_BLOCK:  # channel scales: the row's and the column's, once
+        a_s = tl.load(as_ptrs)[:, None]
+        acc = acc * (a_s * tl.load(bs_ptrs)[None, :])
+        if GATED:
+            acc_up = acc_up * (a_s * tl.load(bs_ptrs + up_scale_off)[None, :])
     dtype = c_ptr.dtype.element_ty
     if GATED:  # silu(gate) * up in fp32: the product is the only rounding
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -298,14 +306,18 @@ def _moe_gemm_kernel(
 
 
 def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast, fp8=None):
-    """fp8: None, or (a's scales [rows, K / bk], b's block scales, Fp8Format)."""
+    """fp8: None, or (a's scales [rows, K / bk] or [rows, 1], b's scales as
+    Fp8Experts holds them, Fp8Format)."""
     sorted_ids, tile_expert, num_valid = align
     n = c.shape[1]
     k = a.shape[1]
     tiles = tile_expert.shape[0]
     grid = (tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
     a_scale, b_scale, fmt = fp8 if fp8 is not None else (c, c.view(1, *c.shape), None)
-    block_k = cfg["BLOCK_K"] if fmt is None else min(cfg["BLOCK_K"], fmt.block_k)
+    per_block = fmt is not None and fmt.granularity == "block"
+    if fmt is not None and not per_block:
+        b_scale = b_scale.unsqueeze(-1)  # [E, rows, 1]: the block layout with 1-row blocks
+    block_k = min(cfg["BLOCK_K"], fmt.block_k) if per_block else cfg["BLOCK_K"]
     _moe_gemm_kernel[grid](
         a,
         b,
@@ -340,8 +352,9 @@ def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast,
         PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8=fmt is not None,
-        SCALE_N=1 if fmt is None else fmt.block_n,
-        SCALE_K=1 if fmt is None else fmt.block_k,
+        PER_BLOCK=per_block,
+        SCALE_N=fmt.block_n if per_block else 1,
+        SCALE_K=fmt.block_k if per_block else 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -379,12 +392,12 @@ def _check_fp8(fp8, w13, w2, e, h, inter):
         raise ValueError(f"FP8 experts need FP8 w13 and w2, got {w13.dtype}, {w2.dtype}")
     if not experts_fit_fp8(fmt, h, inter):
         raise ValueError(
-            f"FP8 experts need block weights whose blocks tile H {h} and I {inter}, got {fmt}"
+            f"FP8 experts need channel scales, or block ones whose blocks tile H {h} and "
+            f"I {inter}, got {fmt}"
         )
-    if fmt.block_k & (fmt.block_k - 1) or fmt.block_k < 16:
+    if fmt.granularity == "block" and (fmt.block_k & (fmt.block_k - 1) or fmt.block_k < 16):
         raise ValueError(f"the FP8 MoE GEMMs need a power-of-two block_k >= 16, not {fmt.block_k}")
-    want13 = (e, 2 * inter // fmt.block_n, h // fmt.block_k)
-    want2 = (e, h // fmt.block_n, inter // fmt.block_k)
+    want13, want2 = expert_scale_shapes(fmt, e, h, inter)
     if tuple(fp8.w13_scale.shape) != want13 or tuple(fp8.w2_scale.shape) != want2:
         raise ValueError(
             f"FP8 expert scales must be w13 {want13} and w2 {want2}, got "
@@ -406,10 +419,8 @@ def fused_moe(
     """KernelBackend.fused_moe: x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I] -> [T, H] in x's dtype. Any strides; fp32
     accumulation. config: launch settings (keys CONFIG_KEYS), default_config's when
-    None. fp8: FP8 w13 / w2 with block scales; each GEMM's input is quantized per
-    token (pair) and block_k group first (fp8_gemm.quantize_activation), then every K
-    step's FP8 dot is scaled by the row's and the weight block's scales, as the block
-    FP8 GEMM does."""
+    None. fp8: FP8 w13 / w2 with block or channel scales (fp8.Fp8Experts), computed
+    W8A8 as the module doc says."""
     _check(x, router_logits, w13, w2, top_k, fp8)
     t, h = x.shape
     e, two_i, _ = w13.shape
@@ -431,11 +442,10 @@ def fused_moe(
     act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     if fp8 is not None:
-        bk = fp8.fmt.block_k
-        xq, xs = quantize_activation(x, bk, w13.dtype)
+        xq, xs = quantize_activation(x, fp8.fmt.act_group(h), w13.dtype)
         _moe_gemm(xq, w13, act, None, align, top_k, True, cfg, None, False,
                   (xs, fp8.w13_scale, fp8.fmt))  # fmt: skip
-        aq, a_s = quantize_activation(act, bk, w2.dtype)
+        aq, a_s = quantize_activation(act, fp8.fmt.act_group(inter), w2.dtype)
         _moe_gemm(aq, w2, out, weights, align, 1, False, cfg, None, False,
                   (a_s, fp8.w2_scale, fp8.fmt))  # fmt: skip
     else:
