@@ -31,7 +31,6 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
     # quantizes the experts at all: every published FP8 MoE does
     fp8_experts = (
         quant is not None
-        and not quant.online
         and shapes.num_experts > 0
         and experts_fit_fp8(
             shapes.expert_fp8_format(), shapes.hidden_size, shapes.moe_intermediate_size

@@ -173,9 +173,9 @@ def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
 
 def _use_fp8_experts(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
     """Keep MoE experts in FP8 where the fused MoE computes them: channel- and
-    tensor-scaled checkpoints (as channel), block ones whose blocks tile H and this
-    rank's I. Others (online quantization, odd block sizes) keep their experts in the
-    engine dtype, said once."""
+    tensor-scaled checkpoints (as channel) and online quantization (channel, quantized
+    as they load), block ones whose blocks tile H and this rank's I. Others (odd block
+    sizes) keep their experts in the engine dtype, said once."""
     fmt = quant.layer_format(fused=True)
     kept, full = 0, []
     for name, module in model.named_modules():
@@ -185,7 +185,7 @@ def _use_fp8_experts(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
         if not quant.quantizes(names, f"{name}.experts"):
             continue
         h = module.w13.shape[2]
-        if not quant.online and experts_fit_fp8(fmt, h, module.intermediate_size):
+        if experts_fit_fp8(fmt, h, module.intermediate_size):
             module.use_fp8(fmt, fp8_dtype)
             kept += 1
         else:
@@ -193,16 +193,12 @@ def _use_fp8_experts(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
     if kept:
         log.info("%d MoE layers keep their experts in FP8 (%s, %s)", kept, fp8_dtype, fmt)
     if full:  # visible: the experts are most of an MoE model's memory
-        why = (
-            "online quantization covers linear layers only"
-            if quant.online
-            else f"the fused MoE takes block-FP8 experts whose blocks tile H and I, not {fmt}"
-        )
         log.warning(
-            "%d MoE layers keep their experts in the engine dtype (%s): they take that "
+            "%d MoE layers keep their experts in the engine dtype (the fused MoE takes "
+            "block-FP8 experts whose blocks tile H and I, not %s): they take that "
             "dtype's memory",
             len(full),
-            why,
+            fmt,
         )
 
 
@@ -376,6 +372,9 @@ def _load_tensor(
         module = _submodule(model, prefix)
         if module is None or not hasattr(module, "load_expert") or index >= module.num_experts:
             raise ValueError(f"unexpected weight {original!r} in checkpoint")
+        if fp8_format_of(module) is not None and quant.online and tensor.dtype != FP8_DTYPE:
+            module.quantize_expert(param, index, shard, tensor)  # weight and its scales
+            return [(f"{prefix}.{p}", (index, shard)) for p in (param, f"{param}_scale")]
         if fp8_format_of(module) is not None:  # FP8 experts: weights and scales as stored
             param = f"{param}_scale" if scale else param
         elif scale or tensor.dtype == FP8_DTYPE:  # dequantized once paired

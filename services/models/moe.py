@@ -17,6 +17,7 @@ from services.kernels.fp8 import (
     expert_scale_shapes,
     fn_to_fnuz,
     fp8_max,
+    quantize_weight_per_channel,
 )
 from services.models.layers import Linear
 from services.models.tensor_parallel import TPGroup, divide
@@ -100,15 +101,19 @@ class FusedMoE(nn.Module):
             pieces["w2_scale"] = pieces["w2"]
         return pieces
 
-    def load_expert(self, param: str, expert: int, shard, tensor: torch.Tensor) -> None:
+    def load_expert(
+        self, param: str, expert: int, shard, tensor: torch.Tensor, converted: bool = False
+    ) -> None:
         """One expert's checkpoint tensor (gate / up: shard 0 / 1 of w13; down: w2), or
-        with FP8 experts its block scales (param w13_scale / w2_scale)."""
+        with FP8 experts its scales (param w13_scale / w2_scale). converted: already
+        in the experts' FP8 type and scale convention (online quantization)."""
         target = getattr(self, param).data[expert]
         size = self.intermediate_size  # this rank's share of I, along dim `split`
         split = 0 if shard is not None else 1
         fmt = self.fp8_format
-        if fmt is not None and param.endswith("_scale"):
+        if fmt is not None and not converted:
             tensor = self._fp8_checkpoint_tensor(param, expert, tensor)
+        if fmt is not None and param.endswith("_scale"):
             if fmt.granularity == "block":  # sizes along I in scale blocks
                 size //= fmt.block_n if shard is not None else fmt.block_k
             else:  # channel: a scale per output row ([N, 1], [N]; per-tensor [1])
@@ -118,8 +123,6 @@ class FusedMoE(nn.Module):
                     tensor = tensor.expand(rows)  # a per-tensor scale on every row: exact
                 if shard is None:
                     split = None  # down's rows are H: every rank has all of them
-        elif fmt is not None:
-            tensor = self._fp8_checkpoint_tensor(param, expert, tensor)
         if shard is not None:
             target = target[shard * size : (shard + 1) * size]
         if self.tp.size > 1 and split is not None:  # this rank's share of the width
@@ -130,6 +133,18 @@ class FusedMoE(nn.Module):
                 f"{tuple(tensor.shape)}, model expects {tuple(target.shape)}"
             )
         target.copy_(tensor)
+
+    def quantize_expert(self, param: str, expert: int, shard, tensor: torch.Tensor) -> None:
+        """Online quantization (`quantization="fp8"`): an expert's full-precision
+        checkpoint tensor -> FP8 with a scale per output row, computed over the whole
+        row before this rank takes its part, so every tensor-parallel split holds the
+        same FP8 weights (as Fp8Linear.quantize_rows)."""
+        if self.fp8_format is None or self.fp8_format.granularity != "channel":
+            raise ValueError(f"expert {expert} {param}: online quantization makes channel experts")
+        # on the experts' device: a 30B MoE quantizes in seconds there, minutes on a CPU
+        q, scale = quantize_weight_per_channel(tensor.to(self.w13.device), self.w13.dtype)
+        self.load_expert(param, expert, shard, q, converted=True)
+        self.load_expert(f"{param}_scale", expert, shard, scale, converted=True)
 
     def fill_random(self, generator: torch.Generator, amplitude: float) -> None:
         """Dummy FP8 experts (load_format="dummy"): uniform in +-amplitude once

@@ -14,9 +14,15 @@ import shutil
 import pytest
 import torch
 
-from services.engine import LLM
+from services.engine import LLM, SamplingParams
 from tests.engine.fp8_helpers import BLOCK, FP8, compare, fake_quant, is_proj, quantize_block
-from tests.engine.helpers import save_random_moe_model
+from tests.engine.helpers import (
+    assert_all_blocks_free,
+    hf_greedy,
+    hf_load,
+    hf_logprobs,
+    save_random_moe_model,
+)
 
 EXPERT = "model.layers.0.mlp.experts."
 
@@ -136,3 +142,40 @@ def test_block_experts_that_blocks_do_not_tile_are_dequantized_visibly(tmp_path,
     w, s = tensors[EXPERT + "2.down_proj.weight"], tensors[EXPERT + "2.down_proj.weight_scale_inv"]
     assert torch.equal(moe.w2[2], w.float() * s.repeat_interleave(BLOCK, 1)[:, :64])
     compare(llm, ref, BLOCK)
+
+
+def test_online_fp8_quantizes_the_experts_per_channel(tmp_path, caplog):
+    """quantization="fp8" on a full-precision Qwen3-MoE: every expert is quantized per
+    output row as it loads (the same rule as the linear layers), and the model computes
+    what transformers computes on those weights (quantized here independently,
+    fp8_helpers.quantize_channel) with the same per-token activation quantization."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.fp8_helpers import fake_quant_activations, quantize_channel
+
+    src = save_random_moe_model(tmp_path / "src", "qwen3_moe", initializer_range=0.02)
+    deq = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        deq[name] = quantize_channel(value)[2] if is_proj(name) else value
+    ref = shutil.copytree(src, tmp_path / "ref")
+    save_file({k: v.contiguous() for k, v in deq.items()}, ref / "model.safetensors")
+    with caplog.at_level("INFO"):
+        llm = LLM(str(src), quantization="fp8", max_num_batched_tokens=64)
+    assert "keep their experts in FP8" in caplog.text
+    moe = llm.engine.runner.model.model.layers[0].mlp
+    inter = moe.intermediate_size
+    assert moe.w13.dtype == FP8 and moe.w13_scale.shape == (8, 2 * inter)
+    want = deq[EXPERT + "4.gate_proj.weight"]
+    got = moe.w13[4, :inter].float() * moe.w13_scale[4, :inter, None]
+    assert torch.equal(got, want)  # the engine's quantization equals the independent one
+    emulated = fake_quant_activations(hf_load(ref), None)
+    fake_quant_experts(emulated, None)
+    prompts = [[5, 9, 200, 31], list(range(3, 40)), [7] * 17]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        tokens = out.output.token_ids
+        assert tokens == hf_greedy(emulated, prompt, 4, ignore_eos=True)
+        ref_lp = hf_logprobs(emulated, prompt + tokens[:-1])[len(prompt) - 1 :]
+        for pos, (token, entry) in enumerate(zip(tokens, out.output.logprobs)):
+            assert entry[token].logprob == pytest.approx(ref_lp[pos, token].item(), abs=1e-3)
+    assert_all_blocks_free(llm)

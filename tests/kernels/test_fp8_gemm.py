@@ -326,5 +326,6 @@ def test_the_engine_asks_the_tuner_for_fp8_experts_where_the_loader_keeps_them()
     odd.quantization_config = block  # 96 is no multiple of 128: dequantized at load
     assert not kernel_shapes(plain, odd).fp8_experts
     online = EngineConfig(model="unused", dtype="float32", quantization="fp8")
-    hf.quantization_config = None
-    assert not kernel_shapes(online, hf).fp8_experts
+    hf.quantization_config = None  # online: the experts quantized per channel as they load
+    online_shapes = kernel_shapes(online, hf)
+    assert online_shapes.fp8_experts and online_shapes.expert_fp8_format().granularity == "channel"
