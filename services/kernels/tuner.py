@@ -48,7 +48,7 @@ from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 7  # 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 8  # 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
