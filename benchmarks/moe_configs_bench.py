@@ -22,7 +22,8 @@ SHAPES = {  # name: (experts, top_k, hidden, expert intermediate)
 
 def main() -> None:
     from services.kernels.torch_backend import TorchBackend
-    from services.kernels.triton.moe import candidate_configs, fused_moe
+    from services.kernels.triton.moe import fused_moe
+    from services.kernels.triton.moe_config import candidate_configs
     from services.kernels.tuner import _time_graph_us
 
     ap = argparse.ArgumentParser()

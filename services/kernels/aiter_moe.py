@@ -11,7 +11,7 @@ Routing and alignment are pdserve's (triton/moe_align.py), not AITER's
 Triton compiles it anew for every batch size (a stall per new prompt length, and one
 per captured decode size at start). Ours has no host synchronisation either, so
 decode steps can be captured. Launch settings use pdserve's config vocabulary
-(triton/moe.py CONFIG_KEYS), translated to aiter's names; default_config's without one."""
+(triton/moe_config.py CONFIG_KEYS), translated to aiter's names; default_config's without one."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ class AiterFusedMoE:
 
     def __call__(self, x, router_logits, w13, w2, top_k, renormalize, config=None):
         # lazy: routing, alignment and the default tiles are pdserve's own kernel's
-        from services.kernels.triton.moe import _check, _check_config, default_config
+        from services.kernels.triton.moe import _check
         from services.kernels.triton.moe_align import route_and_align
+        from services.kernels.triton.moe_config import _check_config, default_config
 
         _check(x, router_logits, w13, w2, top_k)
         t, h = x.shape

@@ -93,12 +93,9 @@ class Fp8Experts:
     w2_scale: torch.Tensor
     fmt: Fp8Format
 
-    def scale_shapes(self, e: int, h: int, inter: int) -> tuple[tuple, tuple]:
-        """The (w13_scale, w2_scale) shapes experts of these sizes have in fmt."""
-        return expert_scale_shapes(self.fmt, e, h, inter)
-
 
 def expert_scale_shapes(fmt: Fp8Format, e: int, h: int, inter: int) -> tuple[tuple, tuple]:
+    """The (w13_scale, w2_scale) shapes E experts of these sizes have in fmt."""
     if fmt.granularity == "block":
         return (
             (e, 2 * inter // fmt.block_n, h // fmt.block_k),
@@ -219,17 +216,17 @@ def quantize_weight_per_channel(
 def fp8_linear_reference(x: torch.Tensor, layer) -> torch.Tensor:
     """x @ dequant(W).T + bias with x quantized as the kernels quantize it, all in fp32,
     rounded to x's dtype once: the yardstick for every FP8 GEMM."""
-    fmt = fp8_format_of(layer)
+    return _fp8_matmul(x, layer.weight, layer.weight_scale, fp8_format_of(layer), layer.bias)
+
+
+def _fp8_matmul(x, weight, scale, fmt: Fp8Format, bias=None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     group = fmt.act_group(k)
-    xq, xs = quantize_activation(x2, group, layer.weight.dtype)  # fn or fnuz, as W
-    out = (
-        dequantize_activation(xq, xs, group)
-        @ dequantize_weight(layer.weight, layer.weight_scale, fmt).t()
-    )
-    if layer.bias is not None:
-        out = out + layer.bias.float()
+    xq, xs = quantize_activation(x2, group, weight.dtype)  # fn or fnuz, as W
+    out = dequantize_activation(xq, xs, group) @ dequantize_weight(weight, scale, fmt).t()
+    if bias is not None:
+        out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
@@ -242,14 +239,7 @@ def fused_moe_fp8_reference(x, weights, ids, w13, w2, fp8: Fp8Experts, silu_and_
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
-        gate_up = _expert_linear(x[token], w13[e], fp8.w13_scale[e], fmt)
-        down = _expert_linear(silu_and_mul(gate_up), w2[e], fp8.w2_scale[e], fmt)
+        gate_up = _fp8_matmul(x[token], w13[e], fp8.w13_scale[e], fmt)
+        down = _fp8_matmul(silu_and_mul(gate_up), w2[e], fp8.w2_scale[e], fmt)
         out.index_add_(0, token, down * weights[token, slot, None])
     return out
-
-
-def _expert_linear(x, weight, scale, fmt):
-    group = fmt.act_group(x.shape[-1])
-    xq, xs = quantize_activation(x, group, weight.dtype)
-    out = dequantize_activation(xq, xs, group) @ dequantize_weight(weight, scale, fmt).t()
-    return out.to(x.dtype)

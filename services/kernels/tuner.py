@@ -340,7 +340,7 @@ def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[d
     sweep of their own (each config is a compilation at start). Off a GPU the default
     alone: the CPU runs Triton's interpreter, where timing says nothing about tiles."""
     # lazy: triton is an optional, heavy import
-    from services.kernels.triton.moe import candidate_configs, default_config
+    from services.kernels.triton.moe_config import candidate_configs, default_config
 
     args = (
         sizes.tokens(cls),

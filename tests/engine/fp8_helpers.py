@@ -95,6 +95,28 @@ def fake_quant_activations(hf, group: int | None, skip=(), dtype=FP8):
     return hf
 
 
+def fake_quant_experts(hf, group: int | None = BLOCK) -> None:
+    """transformers' stacked experts with their inputs quantized per token and `group`
+    columns (None: the whole row), as the fused MoE's W8A8 GEMMs see them (the loop of
+    Qwen3MoeExperts)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token, pos = torch.where(top_k_index == e)
+            x = fake_quant(hidden_states[token], group)
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = fake_quant(self.act_fn(gate) * up, group)
+            h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token, pos, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+    for module in hf.modules():
+        if isinstance(module, Qwen3MoeExperts):
+            module.forward = forward.__get__(module)
+
+
 # ---- checkpoints ------------------------------------------------------------------------
 def random_llama(hidden, heads, kv_heads, head_dim, inter, seed=0):
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -29,6 +29,7 @@ from tests.engine.fp8_helpers import (
     assert_fp8_memory,
     compare,
     fake_quant_activations,
+    fake_quant_experts,
     fp8_layers,
     is_proj,
     prompts,
@@ -284,7 +285,6 @@ def test_compressed_tensors_fp8_moe_keeps_experts_fp8(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 
     from tests.engine.helpers import save_random_moe_model
-    from tests.engine.test_fp8_moe import fake_quant_experts
 
     src = save_random_moe_model(tmp_path / "moe", "qwen3_moe")
     tensors, deq = {}, {}

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from tests.engine.fp8_helpers import BLOCK, FP8, compare, fake_quant, is_proj, quantize_block
+from tests.engine.fp8_helpers import (
+    BLOCK,
+    FP8,
+    compare,
+    fake_quant_experts,
+    is_proj,
+    quantize_block,
+)
 from tests.engine.helpers import (
     assert_all_blocks_free,
     hf_greedy,
@@ -25,28 +32,6 @@ from tests.engine.helpers import (
 )
 
 EXPERT = "model.layers.0.mlp.experts."
-
-
-def fake_quant_experts(hf, group: int | None = BLOCK) -> None:
-    """transformers' stacked experts with their inputs quantized per token and `group`
-    columns (None: the whole row), as the fused MoE's W8A8 GEMMs see them (the loop of
-    Qwen3MoeExperts)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for e in top_k_index.unique().tolist():
-            token, pos = torch.where(top_k_index == e)
-            x = fake_quant(hidden_states[token], group)
-            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fake_quant(self.act_fn(gate) * up, group)
-            h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token, pos, None]
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
-
-    for module in hf.modules():
-        if isinstance(module, Qwen3MoeExperts):
-            module.forward = forward.__get__(module)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +111,7 @@ def test_dummy_fp8_moe_weights_are_fp8(moe_fp8):
     assert moe.w13.dtype == FP8 and bool((moe.w13_scale > 0).all())
     out = llm.generate([[5, 6, 7]], None)[0]
     assert len(out.output.token_ids) > 0
+    assert_all_blocks_free(llm)
 
 
 def test_block_experts_that_blocks_do_not_tile_are_dequantized_visibly(tmp_path, caplog):

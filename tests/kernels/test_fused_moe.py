@@ -14,12 +14,13 @@ import torch  # noqa: E402
 
 import services.kernels.triton.moe_align as moe_align  # noqa: E402
 from services.kernels.torch_backend import TorchBackend, select_experts  # noqa: E402
-from services.kernels.triton.moe import _check_config, default_config, fused_moe  # noqa: E402
+from services.kernels.triton.moe import fused_moe  # noqa: E402
 from services.kernels.triton.moe_align import (  # noqa: E402
     align_plan,
     align_sizes,
     route_and_align,
 )
+from services.kernels.triton.moe_config import _check_config, default_config  # noqa: E402
 from services.kernels.triton_backend import TritonBackend  # noqa: E402
 from tests.kernels.helpers import DTYPES, assert_close_rel  # noqa: E402
 
@@ -237,7 +238,7 @@ def test_fused_moe_several_chunks(t, e, top_k, device, monkeypatch):
 
 @pytest.mark.parametrize("t,e,top_k", [(1, 128, 8), (64, 128, 8), (4096, 8, 2), (16, 8, 2)])
 def test_candidate_configs(t, e, top_k):
-    from services.kernels.triton.moe import _smem_bytes, candidate_configs
+    from services.kernels.triton.moe_config import _smem_bytes, candidate_configs
 
     configs = candidate_configs(t, e, 2048, 768, top_k, torch.bfloat16)
     assert configs[0] == default_config(t, e, 2048, 768, top_k, torch.bfloat16)
@@ -369,7 +370,7 @@ def _gpu_backend(impl: str):
 def test_every_tuner_config_is_correct(impl, t):
     """The launch settings the tuner may pick on this GPU (Qwen3-30B-A3B experts) all
     compute the same MoE."""
-    from services.kernels.triton.moe import candidate_configs
+    from services.kernels.triton.moe_config import candidate_configs
 
     e, top_k, h, inter, dtype = 128, 8, 2048, 768, torch.bfloat16
     backend = _gpu_backend(impl)

@@ -169,7 +169,7 @@ def test_tuner_measures_fused_moe_on_fp8_experts(quant, device):
     scales; the triton candidate matches the fp32 reference on them, one that ignored
     the scales would be rejected, and the GEMV path is not offered."""
     from services.kernels.shape_classes import KernelShapes
-    from services.kernels.triton.moe import candidate_configs
+    from services.kernels.triton.moe_config import candidate_configs
     from services.kernels.tuner import REL_TOL, TuningSizes, _rel_err
     from services.kernels.tuner_cases import run_case
 

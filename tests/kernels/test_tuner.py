@@ -124,7 +124,7 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
             candidates, {k: v for k, v in result.choices.items() if k in ALL_KEYS}, MOE_SHAPES
         )
     # the launch settings go with the choice (CPU: the kernel's default, not swept)
-    from services.kernels.triton.moe import default_config
+    from services.kernels.triton.moe_config import default_config
 
     for cls in OP_CLASSES["fused_moe"]:
         key = f"fused_moe.{cls}"
