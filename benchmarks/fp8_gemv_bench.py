@@ -37,10 +37,10 @@ def _copies(nbytes: int) -> int:
 
 
 def _graph_us(calls) -> float:
-    from services.kernels.tuner import _time_graph_us
+    from services.kernels.timing import time_graph_us
 
     it = itertools.cycle(calls)
-    return _time_graph_us(lambda: next(it)(), calls=len(calls), replays=10)
+    return time_graph_us(lambda: next(it)(), calls=len(calls), replays=10)
 
 
 def _gemm(fmt, layer, rows, config=None):

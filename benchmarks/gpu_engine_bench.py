@@ -51,7 +51,7 @@ def profile_decode(engine, steps: int) -> dict:
     out = {}
     g = engine.runner.graph_runner
     if g is not None and 1 in g.graphs:
-        from services.kernels.tuner import replay_ms
+        from services.kernels.timing import replay_ms
 
         out["graph_replay_ms"] = replay_ms(g.graphs[1], steps)
         print(f"  graph replay alone: {out['graph_replay_ms']:.3f} ms", flush=True)

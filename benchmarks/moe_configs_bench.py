@@ -21,10 +21,10 @@ SHAPES = {  # name: (experts, top_k, hidden, expert intermediate)
 
 
 def main() -> None:
+    from services.kernels.timing import time_graph_us
     from services.kernels.torch_backend import TorchBackend
     from services.kernels.triton.moe import fused_moe
     from services.kernels.triton.moe_config import candidate_configs
-    from services.kernels.tuner import _time_graph_us
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
@@ -46,7 +46,7 @@ def main() -> None:
                 out = fused_moe(x, logits, w13, w2, k, True, config=cfg)
                 err = float((out.float() - ref).norm() / ref.norm())
                 call = functools.partial(fused_moe, x, logits, w13, w2, k, True, config=cfg)
-                us = _time_graph_us(call)
+                us = time_graph_us(call)
                 print(
                     f"{name} T={t} {us:8.1f} us {touched / us / 1e6:6.2f} TB/s err {err:.1e} {cfg}",
                     flush=True,

@@ -21,9 +21,7 @@ import fcntl
 import json
 import logging
 import os
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +41,7 @@ from services.kernels.shape_classes import (
     candidates_for,
     ops_for,
 )
+from services.kernels.timing import time_graph_us, time_us
 from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner_cases import run_case
 
@@ -310,7 +309,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                         if not err <= tol:
                             rejected[cand] = f"relative error {err:.3g} > {tol:g}"
                             continue
-                        t = _time_graph_us(call) if graph else _time_us(call, device)
+                        t = time_graph_us(call) if graph else time_us(call, device)
                     except Exception as exc:  # a kernel that cannot run these shapes here
                         rejected[cand] = f"{type(exc).__name__}: {exc}"[:200]
                         continue
@@ -371,61 +370,6 @@ def _rel_err(out, ref) -> float:
             return float("inf")
         worst = max(worst, float((o - r).norm() / r.norm().clamp_min(1e-12)))
     return worst
-
-
-def _time_us(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        try:  # lazy: triton is optional and heavy (else CUDA events time it, below)
-            from triton.testing import do_bench
-
-            return do_bench(fn, warmup=5, rep=20) * 1e3
-        except ImportError:
-            pass
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / 20
-    fn()
-    samples = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
-
-
-def _time_graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
-    """Kernel time as a captured decode step sees it: no Python launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return replay_ms(graph, replays) * 1e3 / calls
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
-    """Milliseconds per replay of a captured graph, back to back, after one warm-up."""
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 # ---- cache file ------------------------------------------------------------------------
