@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner, decode_graph_max_batch
 from services.engine.kernel_shapes import kernel_shapes
+from services.engine.kv_spec import KVCacheSpec
 from services.engine.mixed_graph import MixedGraphs, mixed_capture_sizes
 from services.engine.sampler import (
     DeviceTokens,
@@ -50,27 +50,6 @@ from services.models.tensor_parallel import TPGroup
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype  # the cache's: the model's, or float8_e4m3fn
-    # FP8 cache: each layer's K and V scale (stored = value / scale); empty otherwise
-    k_scales: tuple[float, ...] = ()
-    v_scales: tuple[float, ...] = ()
-    # tensor parallelism: this rank holds num_kv_heads of the model's total_kv_heads
-    tp_size: int = 1
-    tp_rank: int = 0
-    total_kv_heads: int = 0
-
-    @property
-    def block_bytes(self) -> int:
-        elem = self.dtype.itemsize
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 class ModelRunner:
