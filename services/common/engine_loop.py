@@ -69,6 +69,20 @@ class EngineLoop:
                 self._commands.put((fn, future))
         return future
 
+    async def call_and_publish(self, fn: Callable[[], RequestOutput]) -> RequestOutput:
+        """Run fn() on the engine thread and publish the output it returns from there,
+        ahead of every later step's outputs. Published after the await instead, it could
+        reach the stream behind steps that ran while the caller waited to resume (a
+        remote prefill's first token behind the next three: the stream then rewound
+        and sent those three again)."""
+
+        def run() -> RequestOutput:
+            out = fn()
+            self.publish(out)
+            return out
+
+        return await self.call(run)
+
     def open_stream(self, request_id: str, sink=None) -> asyncio.Queue:
         """Where request_id's outputs and errors go, on the calling event loop: a new
         queue, or `sink`, anything with put_nowait (the multiplexed stream turns each
@@ -81,8 +95,8 @@ class EngineLoop:
         self._streams.pop(request_id, None)
 
     def publish(self, out: RequestOutput) -> None:
-        """Hand an output to its request's stream, from any thread (the engine thread
-        for step outputs, the event loop for a remote prefill's first token)."""
+        """Hand an output to its request's stream, from any thread. Outputs reach a
+        stream in the order they are published."""
         target = self._streams.get(out.request_id)
         if target is not None:
             loop, q = target

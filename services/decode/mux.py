@@ -110,6 +110,15 @@ class OutboxSink:
             error = EngineFailedError(f"engine failed: {item}")
             error.__cause__ = item
             self.done.set_exception(error)
+        elif item.output.num_token_ids < self.builder.sent_tokens:
+            # outputs reach a stream in the order published (EngineLoop.publish): one
+            # that goes back would resend tokens the client has, so fail the request
+            self.done.set_exception(
+                RuntimeError(
+                    f"an output with {item.output.num_token_ids} tokens arrived after "
+                    f"{self.builder.sent_tokens} were sent"
+                )
+            )
         else:
             first = self.builder.sent_tokens == 0
             self.builder.fill(item, self.outbox.response(self.builder.rid))

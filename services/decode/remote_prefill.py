@@ -150,10 +150,9 @@ class RemotePrefill:
         if params.prompt_logprobs is not None:
             n = params.prompt_logprobs
             prompt_lps = [convert.logprob_from_pb(lp, n) for lp in resp.prompt_logprobs]
-        out = await loop.call(
+        await loop.call_and_publish(
             lambda: engine.admit_remote(key, resp.first_token_id, first_lp, prompt_lps)
         )
-        loop.publish(out)
         return timings
 
     async def _fall_back(self, key: str, address: str, error: Exception) -> PrefillTimings:

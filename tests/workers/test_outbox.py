@@ -83,3 +83,17 @@ def test_an_error_is_not_merged_into_and_ends_the_waiting_response():
         assert counted == []
 
     asyncio.run(run())
+
+
+def test_an_output_that_goes_back_fails_the_request_instead_of_resending_tokens():
+    async def run():
+        outbox = Outbox()
+        a = _sink("a", outbox)
+        a.put_nowait(_output("a", [5, 6, 7], "xyz"))
+        a.put_nowait(_output("a", [5], "x"))  # out of order: its tokens were all sent
+        a.put_nowait(_output("a", [5, 6, 7, 8], "xyzw", finish="length"))
+        assert [list(r.token_ids) for r in _responses(outbox.take())] == [[5, 6, 7]]
+        assert a.done.done()
+        assert "1 tokens arrived after 3 were sent" in str(a.done.exception())
+
+    asyncio.run(run())
