@@ -41,9 +41,10 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 MOE_OPS = ("fused_moe",)
 FP8_OPS = ("fp8_linear",)
 CANDIDATES: dict[str, tuple[str, ...]] = {
-    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16; cpu_slab: the
-    # CPU's per-thread weight slabs (cpu_backend.py)
-    "linear": ("torch", "triton", "aiter", "cpu_slab"),
+    # own triton has a GEMV only (see ONLY_FOR); aiter's is gemm_a16w16; cpu_slab and
+    # cpu_onednn: the CPU's per-thread weight slabs and prepacked oneDNN weights
+    # (cpu_backend.py)
+    "linear": ("torch", "triton", "aiter", "cpu_slab", "cpu_onednn"),
     "paged_attention": ("torch", "triton", "aiter", "sdpa"),
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
     "silu_and_mul": ("torch", "triton"),
@@ -173,9 +174,12 @@ class KernelShapes:
     # MoE experts kept in FP8 (block checkpoints whose blocks tile the expert sizes,
     # fp8.experts_fit_fp8): fused_moe is then measured on FP8 experts of that format
     fp8_experts: bool = False
+    # decoder layers: a CPU times decode-sized linears over this many layers' weights,
+    # the working set a decode step streams (tuner_cases.py)
+    num_layers: int = 1
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim"):
+        for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.intermediate_size < 1 or self.block_size < 1:
@@ -250,6 +254,7 @@ class KernelShapes:
             kv_cache_dtype=kv_cache_dtype,
             weight_quant=weight_quant,
             fp8_experts=fp8_experts,
+            num_layers=hf_config.num_hidden_layers,
         )
 
     def fp8_format(self) -> Fp8Format | None:

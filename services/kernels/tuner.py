@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
-from services.kernels.cpu_backend import CpuSlabBackend
+from services.kernels.cpu_backend import CpuOneDnnBackend, CpuSlabBackend
 from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
     DECODE_CLASSES,
@@ -47,7 +47,7 @@ from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 8  # 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 9  # 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -147,7 +147,7 @@ GPU_CANDIDATES = ("torch", "triton", "aiter", "sdpa", "scaled_mm")
 # nothing: a CPU measures its own candidates, which differ in linear only (SDPA's
 # attention lost to the reference at every class on the 2-core EPYC, and measuring
 # attention there took seconds of start-up), so a first start measures ~100 ms.
-CPU_CANDIDATES = ("torch", "cpu_slab")
+CPU_CANDIDATES = ("torch", "cpu_slab", "cpu_onednn")
 
 
 def default_candidates(device: torch.device | str) -> tuple[str, ...]:
@@ -165,6 +165,8 @@ def load_candidates(names=GPU_CANDIDATES) -> dict[str, object]:
                 out[name] = SdpaBackend()
             elif name == "cpu_slab":
                 out[name] = CpuSlabBackend()
+            elif name == "cpu_onednn":
+                out[name] = CpuOneDnnBackend()
             elif name == "scaled_mm":
                 # lazy: an FP8-only candidate that refuses to build off NVIDIA sm_89+
                 from services.kernels.scaled_mm_backend import ScaledMMBackend

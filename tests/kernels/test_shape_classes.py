@@ -53,6 +53,15 @@ def test_moe_shapes_from_the_config():
         KernelShapes(64, 4, 2, 16, 96, 16, "float32", 1e-5, 8, 9, 32)
 
 
+def test_shapes_carry_the_models_layer_count():
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=7)
+    assert KernelShapes.from_hf_config(hf, 16, "float32").num_layers == 7
+    with pytest.raises(ValueError, match="num_layers"):
+        KernelShapes(64, 4, 2, 16, 96, 16, "float32", num_layers=0)
+
+
 def test_parse_choices():
     assert parse_choices("rms_norm=triton, paged_attention.prefill=sdpa") == {
         "rms_norm.decode1": "triton",

@@ -294,14 +294,14 @@ def test_weight_quant_tags():
 
 
 def test_the_cpu_tuner_measures_the_cpus_own_candidates(tmp_path):
-    """No candidates given on a CPU: torch and cpu_slab (no interpreted Triton), no
-    graph rule; the ops with one candidate are the reference without measuring; the
-    cache file names the CPU model and thread count."""
+    """No candidates given on a CPU: torch, cpu_slab and cpu_onednn (no interpreted
+    Triton), no graph rule; the ops with one candidate are the reference without
+    measuring; the cache file names the CPU model and thread count."""
     result = tune(SHAPES, "cpu", cache_dir=tmp_path)
     assert set(result.choices) == ALL_KEYS and result.rejected == {}
-    assert set(result.choices.values()) <= {"torch", "cpu_slab"}
+    assert set(result.choices.values()) <= {"torch", "cpu_slab", "cpu_onednn"}
     for cls in OP_CLASSES["linear"]:
-        assert set(result.times_us[f"linear.{cls}"]) == {"torch", "cpu_slab"}
+        assert set(result.times_us[f"linear.{cls}"]) == {"torch", "cpu_slab", "cpu_onednn"}
     for op in ("rms_norm", "paged_attention", "store_kv_cache"):
         for cls in OP_CLASSES[op]:
             assert result.choices[f"{op}.{cls}"] == "torch"
@@ -310,3 +310,38 @@ def test_the_cpu_tuner_measures_the_cpus_own_candidates(tmp_path):
     (path,) = tmp_path.glob("*.json")
     assert path.name.startswith("cpu-")
     assert tune(SHAPES, "cpu", cache_dir=tmp_path).from_cache
+
+
+def test_a_cpu_times_decode_sized_linears_over_the_models_layers(monkeypatch):
+    """A CPU decode step streams every layer's weights once, so decode-sized linear
+    cases run over num_layers layers' weights, each in memory of its own, up to a byte
+    cap; prefill-sized ones (compute-bound) and a GPU's over one layer. Only the first
+    layer's outputs are compared with the reference."""
+    from services.kernels import tuner_cases
+
+    shapes = KernelShapes(**{**SHAPES.__dict__, "num_layers": 5})
+    per_layer = len(shapes.linear_shapes())
+    layer_bytes = sum(i * o for i, o in shapes.linear_shapes()) * 4
+    sizes = TuningSizes.tiny()
+    seen: list[int] = []
+
+    class Recording(TorchBackend):
+        def linear(self, x, layer):
+            seen.append(layer.weight.data_ptr())
+            return super().linear(x, layer)
+
+    def weights_run(cls):
+        seen.clear()
+        _, out = tuner_cases.run_case(
+            "linear", cls, shapes, sizes, torch.device("cpu"), torch.float32, Recording()
+        )
+        assert len(out) == per_layer
+        assert len(set(seen)) == len(seen)  # no two share memory
+        return len(seen)
+
+    for cls in OP_CLASSES["linear"]:
+        layers = 5 if sizes.tokens(cls) <= 64 else 1
+        assert weights_run(cls) == layers * per_layer, cls
+    monkeypatch.setattr(tuner_cases, "_CPU_WORKING_SET_BYTES", 2 * layer_bytes)
+    assert weights_run("decode1") == 2 * per_layer
+    assert tuner_cases._cpu_copies(shapes, 1, "cuda", torch.float32) == 1
