@@ -137,6 +137,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         self.total_refs -= len(seq.block_table)
+        # a new list, never the old one cleared: a block table only grows, which the
+        # graph runners' staging relies on (block_table_staging.py)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

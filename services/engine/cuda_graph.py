@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from services.engine.block_table_staging import BlockTableStager
 from services.kernels import AttentionMetadata
 from services.kernels.shape_classes import DECODE_CLASSES
 
@@ -77,6 +78,7 @@ class CUDAGraphRunner:
         self._host_i64 = torch.zeros(4, n, dtype=torch.int64).pin_memory()
         self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
         self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self._tables = BlockTableStager(self._host_tables.numpy())
         self._staged = torch.cuda.Event()  # the last copies out of the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -139,9 +141,7 @@ class CUDAGraphRunner:
         lens = self._host_lens.numpy()
         lens[:n] = seq_lens
         lens[n:bs] = 1  # ...and attend to one key
-        tables = self._host_tables.numpy()
-        for i, row in enumerate(block_tables):
-            tables[i, : len(row)] = row  # entries past a row's length are never read
+        self._tables.stage(block_tables)
         self._dev_i64.copy_(self._host_i64, non_blocking=True)
         self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(self._host_tables[:bs], non_blocking=True)

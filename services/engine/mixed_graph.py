@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.block_table_staging import BlockTableStager
 from services.kernels import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class MixedGraphs:
         self._host_cu = _host_like(self.cu_seqlens_q, pin)
         self._host_lens = _host_like(self.seq_lens, pin)
         self._host_tables = _host_like(self.block_tables, pin)
+        self._tables = BlockTableStager(self._host_tables.numpy())
         self._staged = torch.cuda.Event() if pin else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max logit rows, vocab], shared
@@ -192,12 +194,11 @@ class MixedGraphs:
         lens = self._host_lens.numpy()
         lens[:seqs] = step.seq_lens
         lens[seqs:slots] = 0
-        tables = self._host_tables.numpy()
-        for i, row in enumerate(step.block_tables):
-            tables[i, : len(row)] = row  # entries past a row's length are never read
+        self._tables.stage(step.block_tables)
         if pad:
             lens[seqs] = pad
-            tables[seqs, : -(-pad // self.block_size)] = 0  # its keys: block 0
+            self._tables.host[seqs, : -(-pad // self.block_size)] = 0  # its keys: block 0
+            self._tables.overwritten(seqs)
         index = self._host_index.numpy()
         rows = len(step.logits_rows)
         index[:rows] = step.logits_rows
