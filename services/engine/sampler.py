@@ -127,6 +127,10 @@ class Sampler:
         bad words and min_tokens masking are the caller's (__call__ applies them first)."""
         if not biased:
             logits = _apply_logits_bias(logits, requests)
+        if logits.device.type == "cpu" and logits.dtype != torch.float32:
+            # the same argmax (bf16 -> fp32 is exact), in half the time: a CPU's bf16
+            # argmax is not vectorized (1.2 ms for 16 rows of SmolLM2's vocabulary)
+            logits = logits.float()
         tokens = logits.argmax(dim=-1)
         for i, r in enumerate(requests):
             p = r.params

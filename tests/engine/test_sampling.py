@@ -180,3 +180,16 @@ def test_bad_requests_raise_value_error(llm, tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="role"):
         LLM("smollm2", role="sideways")
+
+
+def test_greedy_on_bf16_cpu_logits_is_their_own_argmax_ties_included():
+    """The CPU sampler takes bf16 logits' argmax in fp32 (faster, and exact): the
+    chosen ids equal bf16's own argmax, the first of tied maxima included."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 1000, generator=gen).bfloat16()
+    logits[3, 10] = logits[3, 700] = 9.0  # a tie: the first wins
+    logits[5, :] = 1.0  # all tied
+    greedy = [SamplingRequest(SamplingParams(temperature=0), [], 0, [], None) for _ in range(16)]
+    tokens = Sampler().sample(logits, greedy)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens[3] == 10 and tokens[5] == 0
