@@ -146,7 +146,8 @@ GPU_CANDIDATES = ("torch", "triton", "aiter", "sdpa", "scaled_mm")
 # Triton's kernels run on a CPU only under its interpreter (tests), where time means
 # nothing: a CPU measures its own candidates, which differ in linear only (SDPA's
 # attention lost to the reference at every class on the 2-core EPYC, and measuring
-# attention there took seconds of start-up), so a first start measures ~100 ms.
+# attention there took seconds of start-up); a first start measures for 2-3 s on
+# SmolLM2, most of it the decode linears over all 30 layers' weights (tuner_cases.py).
 CPU_CANDIDATES = ("torch", "cpu_slab", "cpu_onednn")
 
 
