@@ -40,16 +40,22 @@ def column_slabs(weight: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _derived_weight(layer, key: str, build):
+    """build(weight), made once per layer and kept with it under `key` (a second copy
+    of the weight, in the layout a candidate wants; weights never change)."""
+    derived = layer.__dict__.get(key)
+    if derived is None:
+        derived = layer.__dict__[key] = build(layer.weight.detach())
+    return derived
+
+
 class CpuSlabBackend(TorchBackend):
     name = "cpu_slab"
 
     def linear(self, x, layer):
         if fp8_format_of(layer) is not None or x.dim() != 2 or x.device.type != "cpu":
             return super().linear(x, layer)
-        # built once per layer (a second copy of the weight; weights never change)
-        slabs = layer.__dict__.get("_weight_slabs")
-        if slabs is None:
-            slabs = layer.__dict__["_weight_slabs"] = column_slabs(layer.weight.detach())
+        slabs = _derived_weight(layer, "_weight_slabs", column_slabs)
         out = torch.bmm(x.expand(slabs.shape[0], -1, -1), slabs)  # [parts, rows, out / parts]
         # one row: the parts already lie in output order (a view, no copy)
         out = out.view(1, -1) if x.shape[0] == 1 else out.transpose(0, 1).reshape(x.shape[0], -1)
@@ -70,9 +76,7 @@ class CpuOneDnnBackend(TorchBackend):
             or x.dtype not in (torch.float32, torch.bfloat16)
         ):
             return super().linear(x, layer)
-        # reordered once per layer (a second copy of the weight; weights never change)
-        packed = layer.__dict__.get("_onednn_weight")
-        if packed is None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-            layer.__dict__["_onednn_weight"] = packed
+        packed = _derived_weight(
+            layer, "_onednn_weight", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)
+        )
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
