@@ -75,6 +75,17 @@ def test_compressed_tensors_cuda_graphs_equal_eager(compressed_tensors, backend)
     _graphs_equal_eager(compressed_tensors[1], backend)
 
 
+# The Triton FP8 GEMM's tensor-core dots on Hopper (wgmma, 16 rows and more per tile)
+# accumulate FP8 products with fewer bits than fp32 (Triton's sm_90 default for FP8
+# dots, as DeepSeek-V3's report describes; the kernel adds each 128-column dot into an
+# fp32 accumulator). Measured on an H200 against an fp64 reference, relative to the
+# output's largest value: 2.5e-4 to 2.8e-4 at 64 and 230 rows, where fp32 torch and the
+# GEMV (one row) and mma.sync tiles (8 rows) stay at 1e-7 to 3e-7; through this model's
+# two layers the logprobs moved up to 1.0e-2 nats from the emulation (the torch backend:
+# 5.9e-4). So the emulation holds the Triton path to 3e-2 nats, not 1e-3.
+WGMMA_FP8_TOL = 3e-2
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_block_fp8_on_gpu_tracks_transformers(block_fp8, backend):  # noqa: F811
     """fp32 activations on the GPU: the dequantizing reference (torch) and the Triton
@@ -82,4 +93,5 @@ def test_block_fp8_on_gpu_tracks_transformers(block_fp8, backend):  # noqa: F811
     pytest.importorskip("triton")
     qdir, reference = block_fp8
     llm = LLM(str(qdir), device="cuda", dtype="float32", kernel_backend=backend)
-    compare(llm, reference, group=128, device="cuda")
+    tol = WGMMA_FP8_TOL if backend == "triton" else 1e-3
+    compare(llm, reference, group=128, device="cuda", emulation_tol=tol)
