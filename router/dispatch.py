@@ -29,7 +29,6 @@ from router.registry import Worker, WorkerRegistry
 from router.request_id import RequestLog
 from router.responses import FINISH_REASONS
 
-_QUEUE_SIZE = 1024  # responses buffered per request before the workers' streams wait
 _EVENT_MARGIN_S = 5.0
 _OVERDUE = object()  # queued by the run's timer when it is past its deadline + margin
 
@@ -76,7 +75,9 @@ class GenerationRun:
         self.worker_model = worker_model
         self.started_at = time.monotonic()
         self.deadline = self.started_at + dispatcher.config.request_timeout
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(_QUEUE_SIZE)
+        # unbounded: the decode streams' reader puts into it synchronously (mux.py's
+        # stream_to); a request holds at most its own tokens' responses
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.first_token_at: dict[int, float] = {}
         self._itl = None  # the inter-token latency histogram's child for model_name
@@ -283,15 +284,20 @@ class GenerationRun:
         prefilling = True
         started = False
         call = decode.mux.open(gen, timeout)
+
+        def passed_on(resp) -> None:
+            self.queue.put_nowait(Event(index, resp=resp, decode=decode, prefill=prefill))
+
         try:
-            async for resp in call:
+            async for resp in call:  # the first response; the rest go by passed_on
                 if prefilling:
                     prefill.inflight -= 1
                     prefilling = False
                 started = True
-                await self.queue.put(Event(index, resp=resp, decode=decode, prefill=prefill))
-                if resp.finish_reason:
-                    return None, "", True
+                passed_on(resp)
+                call.stream_to(passed_on)  # no wake-up of this task per token
+            if call.completed:
+                return None, "", True
             return grpc.StatusCode.UNAVAILABLE, "the worker ended the stream unfinished", started
         except (grpc.aio.AioRpcError, WorkerCallError) as e:
             return e.code(), e.details(), started

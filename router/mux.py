@@ -4,6 +4,11 @@ step (services/decode/mux.py). A request reads its responses from its own queue 
 fails like a unary Generate would (WorkerCallError carries the same status code), so
 dispatch.py treats both alike.
 
+After its first response a request can hand the rest straight to a sink
+(`stream_to`): the stream's reader then passes each response on as it parses it,
+without waking the request's own task for every token; errors and the end still
+reach that task.
+
 The stream opens on the first request and again after it breaks: a broken stream (the
 worker died or restarted, the channel closed) ends every request on it with its status,
 and the next request opens a new one. Leaving a request early sends its cancel, and the
@@ -12,6 +17,7 @@ worker aborts it and frees its blocks."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import grpc
 
@@ -19,6 +25,7 @@ from pdpb.v1 import decode_pb2
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CLOSE = object()  # ends the request iterator: the router half-closes the stream
+_FINISHED = object()  # a request's last response went to its sink: its iteration ends
 
 
 class WorkerCallError(Exception):
@@ -59,7 +66,7 @@ class _Session:
 
     def __init__(self, stub, metadata):
         self.outgoing: asyncio.Queue = asyncio.Queue()
-        self.requests: dict[str, asyncio.Queue] = {}
+        self.requests: dict[str, MuxedRequest] = {}
         self.call = stub.GenerateStream(_Outgoing(self.outgoing), metadata=metadata)
         self.closed: WorkerCallError | None = None
         self.reader = asyncio.create_task(self._read(), name="generate-stream")
@@ -69,14 +76,14 @@ class _Session:
         try:
             async for message in self.call:
                 for resp in message.responses:
-                    q = self.requests.get(resp.request_id)
-                    if q is not None:
-                        q.put_nowait(resp)
+                    r = self.requests.get(resp.request_id)
+                    if r is not None:
+                        r.deliver(resp)
                 for err in message.errors:
-                    q = self.requests.get(err.request_id)
-                    if q is not None:
+                    r = self.requests.get(err.request_id)
+                    if r is not None:
                         code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
-                        q.put_nowait(WorkerCallError(code, err.message))
+                        r.deliver(WorkerCallError(code, err.message))
             error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
         except grpc.aio.AioRpcError as e:
             error = WorkerCallError(e.code(), e.details() or "")
@@ -87,8 +94,8 @@ class _Session:
         """No new requests here; the ones on it end with `error`."""
         self.closed = error or WorkerCallError(grpc.StatusCode.UNAVAILABLE, "stream closed")
         self.outgoing.put_nowait(_CLOSE)  # ends gRPC's task reading our requests
-        for q in self.requests.values():
-            q.put_nowait(self.closed)
+        for r in self.requests.values():
+            r.deliver(self.closed)
         self.requests.clear()
 
 
@@ -115,17 +122,23 @@ class DecodeMux:
 
 class MuxedRequest:
     """`async for resp in request` until its last response; raises WorkerCallError.
-    `cancel()` (always call it, like a unary call's) tells the worker to drop it."""
+    `cancel()` (always call it, like a unary call's) tells the worker to drop it.
+    `stream_to(sink)`: the responses after those already read go to sink(resp) as they
+    arrive, in order, the last one included; the iteration then yields nothing more
+    and ends after the last response (or raises the error)."""
 
     def __init__(self, session: _Session, gen, timeout: float):
         self._session = session
         self._rid = gen.request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()  # responses and errors for the iteration
+        self._waiter: asyncio.Future | None = None
+        self._sink = None
         self._finished = False
+        self.completed = False  # the last response arrived (through the sink or not)
         # one timer per request, not a timeout per response: at the deadline the
         # request's queue gets the error, after whatever already arrived
         self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout), self._expire)
-        session.requests[self._rid] = self._queue
+        session.requests[self._rid] = self
         session.outgoing.put_nowait(
             decode_pb2.GenerateStreamRequest(start=gen, timeout_seconds=timeout)
         )
@@ -136,13 +149,51 @@ class MuxedRequest:
     async def __anext__(self) -> decode_pb2.GenerateResponse:
         if self._finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, WorkerCallError):
             self._end()
             raise item
+        if item is _FINISHED:
+            self.completed = True
+            self._end()
+            raise StopAsyncIteration
         if item.finish_reason:
+            self.completed = True
             self._end()
         return item
+
+    def deliver(self, item) -> None:
+        """A response or a WorkerCallError for this request, from the stream."""
+        if self._sink is not None and not isinstance(item, WorkerCallError):
+            self._sink(item)
+            if item.finish_reason:
+                self._put(_FINISHED)
+        else:
+            self._put(item)
+
+    def _put(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def stream_to(self, sink) -> None:
+        """From now on responses go to sink(resp). Those already queued go first, in
+        order, up to an error, which stays queued for the iteration to raise."""
+        items = self._items
+        while items and not (isinstance(items[0], WorkerCallError) or items[0] is _FINISHED):
+            item = items.popleft()
+            sink(item)
+            if item.finish_reason:
+                self._put(_FINISHED)
+                break
+        self._sink = sink
 
     def cancel(self) -> None:
         session = self._session
@@ -153,9 +204,7 @@ class MuxedRequest:
 
     def _expire(self) -> None:
         if not self._finished:
-            self._queue.put_nowait(
-                WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-            )
+            self._put(WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
 
     def _end(self) -> None:
         self._finished = True

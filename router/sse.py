@@ -12,5 +12,9 @@ HEADERS = {
 }
 
 
+# one encoder for every chunk: json.dumps with options builds a new one per call
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj).encode() + b"\n\n"

@@ -2,7 +2,9 @@
 worker: answers equal the colocated engine, a cancelled request is freed on the worker
 within a second while the others go on, a deadline ends only its request, and a broken
 stream fails its requests with a status dispatch.py retries while the next request
-opens a new stream."""
+opens a new stream; after `stream_to` the responses reach the sink in order, the last
+one ends the iteration, and an error still reaches the iteration after what arrived
+before it."""
 
 from __future__ import annotations
 
@@ -100,4 +102,73 @@ def test_a_broken_stream_fails_its_requests_and_the_next_opens_another(decode, c
     errors, tokens = asyncio.run(run())
     assert errors == [grpc.StatusCode.CANCELLED] * 3
     assert tokens == ref
+    decode.wait_all_blocks_free(timeout=1.0)
+
+
+async def _until_queued(request, n, timeout=30.0):
+    """Wait, without reading, until the request holds n undelivered items."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while len(request._items) < n:
+        assert loop.time() < end, f"only {len(request._items)} items arrived"
+        await asyncio.sleep(0.01)
+
+
+def test_stream_to_passes_responses_on_in_order_and_ends_with_the_last(decode, colocated):
+    prompt = colocated.tokenizer.encode("The capital of France")
+    (ref,) = [
+        o.output.token_ids
+        for o in colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
+    ]
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
+            request = mux.open(_gen("sunk", prompt, 24), 60)
+            tokens = list((await request.__anext__()).token_ids)
+            await _until_queued(request, 3)  # some arrive before the sink is set
+            finals = []
+
+            def sink(resp):
+                tokens.extend(resp.token_ids)
+                finals.append(resp.finish_reason)
+
+            request.stream_to(sink)
+            rest = [resp async for resp in request]  # nothing but the end
+            request.cancel()
+            await mux.close()
+            return tokens, finals, rest, request.completed
+
+    tokens, finals, rest, completed = asyncio.run(run())
+    assert tokens == ref
+    assert rest == [] and completed
+    assert finals[-1] and not any(finals[:-1])  # the last response, once, at the end
+    decode.wait_all_blocks_free(timeout=1.0)
+
+
+def test_an_error_after_queued_responses_still_reaches_the_iteration(decode, colocated):
+    prompt = colocated.tokenizer.encode("Count: one, two")
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
+            request = mux.open(_gen("late", prompt, 4000, ignore_eos=True), 1.0)
+            first = await request.__anext__()
+            # unread, responses queue up and then the deadline's error behind them
+            await _until_queued(request, 2)
+            while not isinstance(request._items[-1], WorkerCallError):
+                await asyncio.sleep(0.01)
+            queued = len(request._items) - 1
+            sunk = []
+            request.stream_to(sunk.append)
+            with pytest.raises(WorkerCallError) as e:
+                await request.__anext__()
+            request.cancel()
+            await mux.close()
+            return first, sunk, queued, e.value.code(), request.completed
+
+    first, sunk, queued, code, completed = asyncio.run(run())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and not completed
+    assert len(sunk) == queued >= 2  # every response before the error, none after
+    assert first.token_ids and all(r.token_ids for r in sunk)
     decode.wait_all_blocks_free(timeout=1.0)
