@@ -178,6 +178,10 @@ class MuxedRequest:
             self._put(item)
 
     def _put(self, item) -> None:
+        if isinstance(item, WorkerCallError) or item is _FINISHED:
+            # nothing passes the end: a response after it (one the worker sent as the
+            # router's deadline fired) stays unread, as it would without a sink
+            self._sink = None
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -185,15 +189,19 @@ class MuxedRequest:
 
     def stream_to(self, sink) -> None:
         """From now on responses go to sink(resp). Those already queued go first, in
-        order, up to an error, which stays queued for the iteration to raise."""
+        order, up to an error, which stays queued for the iteration to raise; nothing
+        is passed on after an error or the last response."""
         items = self._items
-        while items and not (isinstance(items[0], WorkerCallError) or items[0] is _FINISHED):
+        while items:
+            if isinstance(items[0], WorkerCallError) or items[0] is _FINISHED:
+                return  # the iteration ends there; nothing after it is passed on
             item = items.popleft()
             sink(item)
             if item.finish_reason:
                 self._put(_FINISHED)
-                break
-        self._sink = sink
+                return
+        if not self._finished:
+            self._sink = sink
 
     def cancel(self) -> None:
         session = self._session
