@@ -160,10 +160,18 @@ def main() -> None:
         "folder of a tiny config with --load-format dummy, to see the host path alone",
     )
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cpu", help="both workers' device (e.g. cuda:0)")
+    ap.add_argument("--api-server-count", type=int, default=1, help="the router's processes")
+    ap.add_argument(
+        "--worker-args",
+        default="",
+        help="more worker flags, one string (e.g. '--kernel-backend triton')",
+    )
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
     seqs = str(max(args.concurrency))
-    common = ("--max-num-seqs", seqs, "--load-format", args.load_format)
+    common = ("--max-num-seqs", seqs, "--load-format", args.load_format, "--device", args.device)
+    common += tuple(args.worker_args.split())
     prefill = start_worker("prefill", *common, model=model)
     decode = start_worker("decode", *common, "--num-kv-blocks", "8192", model=model)
     router = subprocess.Popen(
@@ -180,6 +188,8 @@ def main() -> None:
             "smollm2-135m",
             "--max-concurrent-requests",
             "0",
+            "--api-server-count",
+            str(args.api_server_count),
             "--log-level",
             "WARNING",
         ],

@@ -311,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser)",
     )
     up.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the router's --api-server-count: HTTP server processes sharing its port (one "
+        "streams about 16k tokens/s)",
+    )
+    up.add_argument(
         "--restart",
         default="on-failure",
         help="what happens when a worker dies, as compose's restart policy: on-failure "

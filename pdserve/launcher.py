@@ -304,6 +304,8 @@ def run_up(args, worker_args: list[str]) -> int:
                 f"{', '.join(sorted(REASONING_PARSERS))}"
             )
     _check_tool_flags(args)
+    if getattr(args, "api_server_count", 1) < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     hint = transport_hint(plan, worker_args)
     if hint:
         print(f"pdserve up: {hint}", file=sys.stderr)
@@ -353,6 +355,8 @@ def run_up(args, worker_args: list[str]) -> int:
             router_cmd += ["--tool-call-parser", args.tool_call_parser]
         if getattr(args, "enable_auto_tool_choice", False):
             router_cmd += ["--enable-auto-tool-choice"]
+        if getattr(args, "api_server_count", 1) != 1:
+            router_cmd += ["--api-server-count", str(args.api_server_count)]
         router = Child("router", router_cmd, env)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         announced = False

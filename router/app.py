@@ -13,7 +13,7 @@ from router.admin import add_admin_routes
 from router.config import ADMIN_TOKEN_ENV, RouterConfig
 from router.middleware import auth, log_requests, request_context
 from router.routes import add_routes
-from router.state import STATE, RouterState
+from router.state import STATE, RouterState, SharedFiles
 
 log = logging.getLogger("pdserve.router")
 
@@ -29,7 +29,8 @@ async def _workers_lifecycle(app: web.Application):
     await state.registry.close()
 
 
-def create_app(config: RouterConfig) -> web.Application:
+def create_app(config: RouterConfig, shared: SharedFiles | None = None) -> web.Application:
+    """shared: the files this process shares with its sibling API servers, if any."""
     middlewares = [request_context, auth]
     if config.enable_log_requests:
         middlewares.append(log_requests)  # after auth: no bodies of refused requests
@@ -40,7 +41,7 @@ def create_app(config: RouterConfig) -> web.Application:
         # aiohttp's parser would answer a bad one in text/plain, outside the app
         handler_args={"auto_decompress": False},
     )
-    app[STATE] = RouterState.build(config)
+    app[STATE] = RouterState.build(config, shared)
     add_routes(app)
     if config.admin_token is not None:  # else the auth middleware answers 404
         add_admin_routes(app)

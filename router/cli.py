@@ -155,6 +155,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="the name workers' certificates carry, when it is not the host dialed (workers "
         "found through DNS are dialed by IP)",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=d.api_server_count,
+        metavar="N",
+        help="HTTP server processes sharing the port (one streams about 16k tokens/s); "
+        "with N > 1 metrics and concurrency limits are summed over them, and the /admin "
+        f"endpoints are off (default {d.api_server_count})",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -189,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_tls_cert_file=args.worker_tls_cert_file,
         worker_tls_key_file=args.worker_tls_key_file,
         worker_tls_server_name=args.worker_tls_server_name,
+        api_server_count=args.api_server_count,
     )
 
 
@@ -217,6 +227,10 @@ def run_router(args: argparse.Namespace) -> int:
             "gRPC to workers over TLS%s",
             ", with a client certificate" if config.worker_tls_cert_file else "",
         )
+    if config.api_server_count > 1:
+        from router.api_servers import run_api_servers
+
+        return run_api_servers(config, args.log_level)
     web.run_app(
         create_app(config),
         host=config.host,

@@ -99,6 +99,9 @@ class RouterConfig:
     worker_tls_cert_file: str | None = None  # the router's client identity (mutual TLS)
     worker_tls_key_file: str | None = None
     worker_tls_server_name: str | None = None  # name in workers' certificates, if not their host
+    # HTTP server processes sharing the port (vLLM's --api-server-count): one Python
+    # process streams about 16k tokens/s (docs/performance.md), more need more processes
+    api_server_count: int = 1
 
     @property
     def worker_tls(self) -> bool:
@@ -170,6 +173,15 @@ class RouterConfig:
             )
         if self.retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
+        if not isinstance(self.api_server_count, int) or self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count!r}")
+        if self.api_server_count > 1 and self.admin_token is not None:
+            # a POST /admin/workers would change one process's worker list of several
+            raise ValueError(
+                "the /admin endpoints (--admin-token) need --api-server-count 1: with several "
+                "processes an added or removed worker would reach only one of them; give "
+                "workers by flag or DNS name instead"
+            )
 
     def _check_worker_tls(self) -> None:
         tls.check_pair(

@@ -277,10 +277,9 @@ class GenerationRun:
             prefill.address or "local",
             gen.request_id,
         )
-        decode.inflight += 1
-        prefill.inflight += 1
-        decode.requests += 1
-        prefill.requests += 1
+        metrics = self.d.metrics
+        metrics.worker_started(decode)
+        metrics.worker_started(prefill)
         prefilling = True
         started = False
         call = decode.mux.open(gen, timeout)
@@ -291,7 +290,7 @@ class GenerationRun:
         try:
             async for resp in call:  # the first response; the rest go by passed_on
                 if prefilling:
-                    prefill.inflight -= 1
+                    metrics.worker_done(prefill)
                     prefilling = False
                 started = True
                 passed_on(resp)
@@ -303,6 +302,6 @@ class GenerationRun:
             return e.code(), e.details(), started
         finally:
             call.cancel()
-            decode.inflight -= 1
+            metrics.worker_done(decode)
             if prefilling:
-                prefill.inflight -= 1
+                metrics.worker_done(prefill)

@@ -1,21 +1,34 @@
-"""Prometheus metrics of one router app, in a registry the app owns."""
+"""Prometheus metrics of one router app, in a registry the app owns.
+
+With several API-server processes (--api-server-count) prometheus_client's
+multiprocess mode sums them: every process writes its values to files in one
+directory (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before this module is
+imported), and a scrape of any process reads them all."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
 class WorkerCollector:
-    """Per-worker gauges read from the registry at scrape time (no stale labels)."""
+    """Per-worker gauges read from the registry at scrape time (no stale labels).
 
-    def __init__(self, workers: Callable[[], Iterable]):
+    counts=False leaves out this router's in-flight and sent counts: with several
+    processes those are RouterMetrics' shared worker_inflight / worker_requests."""
+
+    def __init__(self, workers: Callable[[], Iterable], counts: bool = True):
         self._workers = workers
+        self._counts = counts
 
     def collect(self):
         labels = ["role", "address"]
@@ -53,7 +66,7 @@ class WorkerCollector:
             if w.load is not None:
                 for name, family in report.items():
                     family.add_metric(values, getattr(w.load, name))
-        yield from (healthy, inflight, sent, *report.values())
+        yield from (healthy, *((inflight, sent) if self._counts else ()), *report.values())
 
 
 _VLLM_TTFT = (
@@ -164,8 +177,15 @@ class VllmRequestMetrics:
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], Iterable] | None = None):
+    def __init__(
+        self, workers: Callable[[], Iterable] | None = None, multiprocess_dir: str | None = None
+    ):
+        if multiprocess_dir is not None and os.environ.get(MULTIPROC_ENV) != multiprocess_dir:
+            # prometheus_client picks file-backed values when it is imported
+            raise ValueError(f"{MULTIPROC_ENV} must be {multiprocess_dir!r} before the import")
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
+        self._workers = workers
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests",
@@ -182,7 +202,10 @@ class RouterMetrics:
             "pdserve_router_retries", "attempts retried on another pair", ["code"], registry=r
         )
         self.inflight = Gauge(
-            "pdserve_router_inflight_requests", "generation requests in flight", registry=r
+            "pdserve_router_inflight_requests",
+            "generation requests in flight",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.ttft = Histogram(
             "pdserve_router_time_to_first_token_seconds",
@@ -236,8 +259,40 @@ class RouterMetrics:
         # autoscaling rules written for vLLM work; the engine-side gauges
         # (vllm:num_requests_running, ...) are the workers' (services/common/metrics.py).
         self.vllm = VllmRequestMetrics(r)
-        if workers is not None:
+        # per-worker counts summed over processes (one process: WorkerCollector's)
+        self.worker_inflight: Gauge | None = None
+        self.worker_requests: Counter | None = None
+        if multiprocess_dir is not None:
+            labels = ["role", "address"]
+            self.worker_inflight = Gauge(
+                "pdserve_router_worker_inflight",
+                "this router's requests on the worker",
+                labels,
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+            self.worker_requests = Counter(
+                "pdserve_router_worker_requests",
+                "requests this router sent to the worker",
+                labels,
+                registry=r,
+            )
+        elif workers is not None:
             r.register(WorkerCollector(workers))
+
+    def worker_started(self, worker) -> None:
+        """A request sent to `worker` (a registry Worker or the local prefill)."""
+        worker.inflight += 1
+        worker.requests += 1
+        if self.worker_inflight is not None and worker.address:
+            self.worker_inflight.labels(worker.role, worker.address).inc()
+            self.worker_requests.labels(worker.role, worker.address).inc()
+
+    def worker_done(self, worker) -> None:
+        """A request sent to `worker` no longer on it."""
+        worker.inflight -= 1
+        if self.worker_inflight is not None and worker.address:
+            self.worker_inflight.labels(worker.role, worker.address).dec()
 
     def observe_timings(self, timings) -> None:
         """A finished choice's worker Timings (pdpb.v1.Timings)."""
@@ -250,4 +305,10 @@ class RouterMetrics:
             self.prefill_fallbacks.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        MultiProcessCollector(every, path=self.multiprocess_dir)
+        if self._workers is not None:  # worker health and LoadReports: any process's view
+            every.register(WorkerCollector(self._workers, counts=False))
+        return generate_latest(every)

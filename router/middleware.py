@@ -4,13 +4,13 @@ opt-in request-body log."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 
 from aiohttp import web
 
 from router.errors import APIError
+from router.limits import key_digest
 from router.request_id import HEADER, REQUEST_ID, REQUEST_LOG, RequestLog, accept_or_create
 from router.state import STATE
 
@@ -63,12 +63,7 @@ def _bearer(request: web.Request) -> str | None:
 def api_key_id(request: web.Request) -> bytes | None:
     """Who is asking, for per-key limits: the digest of the request's API key."""
     token = _bearer(request)
-    return None if token is None else _digest(token)
-
-
-def _digest(value: str) -> bytes:
-    # equal-length digests: compare_digest's time then says nothing about key lengths
-    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+    return None if token is None else key_digest(token)
 
 
 def _matches(token: str | None, keys) -> bool:
@@ -76,9 +71,9 @@ def _matches(token: str | None, keys) -> bool:
         return False
     # every key is compared (no short-circuit): the time taken says nothing about which
     # key matched, or how many there are before it
-    digest, ok = _digest(token), False
+    digest, ok = key_digest(token), False
     for key in keys:
-        ok |= hmac.compare_digest(digest, _digest(key))
+        ok |= hmac.compare_digest(digest, key_digest(key))
     return ok
 
 

@@ -60,6 +60,11 @@ def test_bad_tool_flags_are_refused_before_starting(capsys):
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
 
 
+def test_bad_api_server_count_is_refused_before_starting(capsys):
+    assert main(["up", "--api-server-count", "0", "--port", "1"]) == 2
+    assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_hint_when_gpu_workers_would_move_kv_over_tcp():
     from pdserve.launcher import transport_hint
 

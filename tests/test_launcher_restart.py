@@ -259,12 +259,18 @@ def test_worker_failing_every_restart_stops_everything(default_model_dir):
         stack.close()
 
 
-def test_router_dying_stops_everything(default_model_dir):
-    """The router is not restarted: its death stops the stack with a message naming it."""
-    stack = Stack(default_model_dir, "--prefill", "0", "--decode", "1")
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_router_dying_stops_everything(default_model_dir, api_servers):
+    """The router is not restarted: its death stops the stack with a message naming it.
+    With --api-server-count 2 its API server processes go with it."""
+    stack = Stack(
+        default_model_dir, "--prefill", "0", "--decode", "1", "--api-server-count", str(api_servers)
+    )
     try:
         stack.wait_for(r"^pdserve is ready", 180)
         pids = stack.descendants()
+        servers = [p for p in pids if "router.api_servers" in _cmdline(p)]
+        assert len(servers) == (api_servers if api_servers > 1 else 0), pids
         [router] = [p for p in pids if " router " in _cmdline(p)]
         os.kill(router, signal.SIGKILL)
         assert stack.proc.wait(60) == 1, stack.tail()

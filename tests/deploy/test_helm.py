@@ -527,6 +527,21 @@ def test_tool_call_parser_enables_auto_tool_choice():
     assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)
 
 
+def test_api_server_count_reaches_the_router():
+    """router.apiServerCount is --api-server-count (default 1); with an admin token it is
+    refused at render time, as the router would refuse it at start."""
+    import helm_python
+
+    assert _router_cli(helm.render())[1].api_server_count == 1
+    assert _router_cli(helm.render({"router": {"apiServerCount": 4}}))[1].api_server_count == 4
+    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmError)) as err:
+        helm.render({"router": {"apiServerCount": 2, "adminToken": {"generate": True}}})
+    assert "leave router.adminToken unset" in str(err.value)
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        helm.render({"router": {"apiServerCount": 0}})
+    assert "/router/apiServerCount" in str(err.value)
+
+
 @pytest.mark.parametrize("cache_type", ["image", "emptyDir", "pvc"])
 def test_triton_kernels_cached_on_the_model_cache_volume(cache_type):
     """A writable model cache (emptyDir, pvc) also keeps the compiled Triton kernels, so
