@@ -26,6 +26,8 @@ from tests.chaos.stack import (
     prompts,
     references,
     run_streams,
+    run_streams_with,
+    until,
 )
 
 SERVERS = 2
@@ -141,6 +143,25 @@ def test_every_scrape_reports_all_processes(stack):
         assert _metric(now, "pdserve_router_inflight_requests") == 0
         assert _metric(now, "pdserve_router_worker_inflight", role="decode") == 0
         assert _metric(now, "pdserve_router_worker_healthy", role="decode", address=decode) == 1
+
+
+def test_clients_hanging_up_free_the_workers_blocks_within_a_second(stack):
+    """Long streams through both processes, every client gone mid-stream: the API
+    servers cancel their worker requests and both workers hold no block a second
+    later."""
+    router = stack.router
+
+    class HungUp(Exception):
+        pass
+
+    async def hang_up(outs):
+        await until(lambda: all(o.chunks >= 2 for o in outs), 120, "every stream decoding")
+        raise HungUp  # leaving cancels every stream and closes the client (run_streams_with)
+
+    texts = prompts(STREAMS, "gone")
+    with pytest.raises(HungUp):
+        asyncio.run(run_streams_with(router.url, texts, 2000, hang_up))
+    assert_blocks_back(stack.workers, timeout=1.0)
 
 
 def test_the_concurrency_limit_holds_across_processes(stack, colocated):
