@@ -36,6 +36,7 @@ log = logging.getLogger("pdserve.router")
 
 BACKLOG = 1024  # connections queued per process before its accept loop runs
 STOP_GRACE_S = 70.0  # aiohttp's graceful shutdown takes up to 60 s
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass
@@ -132,9 +133,6 @@ def run_api_servers(config: RouterConfig, log_level: str) -> int:
         for sock in sockets:
             sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _start(spec: ServerSpec, env: dict) -> subprocess.Popen:

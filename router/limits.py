@@ -16,12 +16,16 @@ def key_digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
 
 
+def _check_limits(limit: int, per_key: int) -> None:
+    if limit < 0:
+        raise ValueError("limit must be >= 0 (0: no limit)")
+    if per_key < 0:
+        raise ValueError("per_key must be >= 0 (0: no limit)")
+
+
 class ConcurrencyLimit:
     def __init__(self, limit: int, per_key: int = 0):
-        if limit < 0:
-            raise ValueError("limit must be >= 0 (0: no limit)")
-        if per_key < 0:
-            raise ValueError("per_key must be >= 0 (0: no limit)")
+        _check_limits(limit, per_key)
         self.limit = limit
         self.per_key = per_key
         self.inflight = 0
@@ -57,7 +61,7 @@ class SharedConcurrencyLimit:
     _SLOT = struct.Struct("q")
 
     def __init__(self, path: str, limit: int, per_key: int, key_digests: list[bytes]):
-        ConcurrencyLimit(limit, per_key)  # the same checks
+        _check_limits(limit, per_key)
         self.limit = limit
         self.per_key = per_key
         self._slots = {digest: i + 1 for i, digest in enumerate(key_digests)}
