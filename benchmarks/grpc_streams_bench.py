@@ -80,6 +80,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[16, 256, 512])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument(
+        "--worker-args",
+        default="",
+        help='more flags for the decode worker, e.g. "--kernel-backend triton '
+        '--max-cudagraph-capture-size 512"',
+    )
+    ap.add_argument(
         "--path",
         choices=["stream", "unary", "both"],
         default="both",
@@ -93,6 +99,7 @@ def main() -> None:
         "decode",
         *("--load-format", args.load_format, "--device", args.device),
         *("--max-num-seqs", most, "--num-kv-blocks", str(64 * int(most)), "--skip-warmup"),
+        *args.worker_args.split(),
         model=args.model,
     )
     try:

@@ -167,7 +167,7 @@ def _stop(servers: list[subprocess.Popen]) -> None:
 def _serve(spec: ServerSpec) -> None:
     from aiohttp import web
 
-    from router.app import create_app
+    from router.app import create_app, freeze_heap_on_startup
 
     logging.basicConfig(
         level=getattr(logging, str(spec.log_level).upper(), logging.INFO),
@@ -178,6 +178,7 @@ def _serve(spec: ServerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     app = create_app(spec.config, spec.shared)
     app.on_startup.append(_stop_on_sigterm_or_orphaned)
+    app.on_startup.append(freeze_heap_on_startup)
     web.run_app(
         app,
         sock=socket.socket(fileno=spec.fd),

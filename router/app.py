@@ -5,10 +5,12 @@ cancels its handler and with it the workers' requests."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
 
+from pdpb.heap import GCPauses, freeze_startup_heap, report_gc_pauses
 from router.admin import add_admin_routes
 from router.config import ADMIN_TOKEN_ENV, RouterConfig
 from router.middleware import auth, log_requests, request_context
@@ -29,6 +31,22 @@ async def _workers_lifecycle(app: web.Application):
     await state.registry.close()
 
 
+async def _gc_pauses(app: web.Application):
+    """Every collection's pause in the metrics (pdpb/heap.py)."""
+    report = asyncio.ensure_future(
+        report_gc_pauses(GCPauses(), app[STATE].metrics.observe_gc_pause)
+    )
+    yield
+    report.cancel()
+
+
+async def freeze_heap_on_startup(app: web.Application) -> None:
+    """An on_startup hook for a process that serves this app and nothing else (the
+    CLI's): its startup objects out of the collector's walks (pdpb/heap.py). Not part
+    of create_app: freezing is the whole process's business, not an embedded app's."""
+    log.info("%d startup objects frozen out of GC", freeze_startup_heap())
+
+
 def create_app(config: RouterConfig, shared: SharedFiles | None = None) -> web.Application:
     """shared: the files this process shares with its sibling API servers, if any."""
     middlewares = [request_context, auth]
@@ -46,4 +64,5 @@ def create_app(config: RouterConfig, shared: SharedFiles | None = None) -> web.A
     if config.admin_token is not None:  # else the auth middleware answers 404
         add_admin_routes(app)
     app.cleanup_ctx.append(_workers_lifecycle)
+    app.cleanup_ctx.append(_gc_pauses)
     return app

@@ -206,7 +206,7 @@ def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM. Raises ValueError for a bad configuration."""
     from aiohttp import web
 
-    from router.app import create_app
+    from router.app import create_app, freeze_heap_on_startup
 
     config = config_from_args(args)
     logging.basicConfig(
@@ -231,8 +231,10 @@ def run_router(args: argparse.Namespace) -> int:
         from router.api_servers import run_api_servers
 
         return run_api_servers(config, args.log_level)
+    app = create_app(config)
+    app.on_startup.append(freeze_heap_on_startup)
     web.run_app(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         handler_cancellation=True,  # a client that goes away cancels its worker requests

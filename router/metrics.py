@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pdpb.heap import PAUSE_BUCKETS
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -259,6 +261,13 @@ class RouterMetrics:
         # autoscaling rules written for vLLM work; the engine-side gauges
         # (vllm:num_requests_running, ...) are the workers' (services/common/metrics.py).
         self.vllm = VllmRequestMetrics(r)
+        self.gc_pauses = Histogram(
+            "pdserve_router_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector in the router, by generation",
+            ["generation"],
+            buckets=PAUSE_BUCKETS,
+            registry=r,
+        )
         # per-worker counts summed over processes (one process: WorkerCollector's)
         self.worker_inflight: Gauge | None = None
         self.worker_requests: Counter | None = None
@@ -293,6 +302,9 @@ class RouterMetrics:
         worker.inflight -= 1
         if self.worker_inflight is not None and worker.address:
             self.worker_inflight.labels(worker.role, worker.address).dec()
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def observe_timings(self, timings) -> None:
         """A finished choice's worker Timings (pdpb.v1.Timings)."""

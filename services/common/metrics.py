@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from pdpb.heap import PAUSE_BUCKETS
+
 
 class WorkerMetrics:
     def __init__(self, role: str, model_name: str = ""):
@@ -85,7 +87,17 @@ class WorkerMetrics:
             "pdserve_worker_info", "Worker role", list(labels), registry=self.registry
         )
         self.info.labels(**labels).set(1)
+        self.gc_pauses = Histogram(
+            "pdserve_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector in this process, by generation",
+            ["generation"],
+            buckets=PAUSE_BUCKETS,
+            registry=self.registry,
+        )
         self.num_prefill_fallbacks = 0
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def count_fallback(self, policy: str) -> None:
         self.prefill_fallbacks.labels(policy).inc()

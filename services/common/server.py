@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import KVConnector, create_connector
 from pdpb import tls
+from pdpb.heap import GCPauses, freeze_startup_heap, report_gc_pauses
 from pdpb.v1 import common_pb2
 from services.common.engine_loop import EngineLoop
 from services.common.interceptor import WorkerInterceptor
@@ -166,6 +167,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    gc_report = None
     try:
         load = asyncio.ensure_future(asyncio.to_thread(ctx.load))
         done, _ = await asyncio.wait(
@@ -173,10 +175,21 @@ async def serve(
         )
         if load in done:
             load.result()  # re-raise a load failure
+            # the model, tokenizer, graphs and block pool are here for life: out of the
+            # collector's walks (pdpb/heap.py), then every later pause is counted
+            frozen = freeze_startup_heap()
+            gc_report = asyncio.ensure_future(
+                report_gc_pauses(GCPauses(), ctx.metrics.observe_gc_pause)
+            )
             ctx.ready.set()
             for name in ["", *service_names]:
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("%s worker ready: %s", role, ctx.phases.summary())
+            log.info(
+                "%s worker ready: %s; %d startup objects frozen out of GC",
+                role,
+                ctx.phases.summary(),
+                frozen,
+            )
             _announce(
                 "ready",
                 role,
@@ -187,6 +200,7 @@ async def serve(
                     phases={k: round(v, 3) for k, v in ctx.phases.durations.items()},
                     total_s=round(ctx.phases.total_s, 3),
                     warmup=ctx.warmup.summary() if ctx.warmup is not None else None,
+                    gc_frozen_objects=frozen,
                 ),
             )
             await asyncio.wait(
@@ -194,6 +208,8 @@ async def serve(
                 return_when=asyncio.FIRST_COMPLETED,
             )
     finally:
+        if gc_report is not None:
+            gc_report.cancel()
         # a failed worker has nothing to drain: its requests have their errors already
         grace = 1.0 if ctx.failure else settings.drain_timeout_s
         log.info("%s worker stopping: draining for up to %.0fs", role, grace)

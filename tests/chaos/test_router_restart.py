@@ -50,6 +50,8 @@ def test_router_restart_with_streams_in_flight(model, colocated):
         )
         assert count_log(first, "pairing decode") == REFUSED, "".join(first.log)
         assert count_log(first, "paired with prefill worker") == 1
+        # one router process: its startup heap frozen out of the collector (pdpb/heap.py)
+        assert count_log(first, "startup objects frozen out of GC") == 1, "".join(first.log)
         unpaired = {"ready": False, "healthy_prefill": 1, "healthy_decode": 1, "pairs": 0}
         assert (503, unpaired) in first.ready_seen, first.ready_seen
 

@@ -9,6 +9,7 @@ takes the others down with it, and so does a supervisor that is killed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -143,6 +144,41 @@ def test_every_scrape_reports_all_processes(stack):
         assert _metric(now, "pdserve_router_inflight_requests") == 0
         assert _metric(now, "pdserve_router_worker_inflight", role="decode") == 0
         assert _metric(now, "pdserve_router_worker_healthy", role="decode", address=decode) == 1
+
+
+def test_every_process_freezes_its_startup_heap_and_reports_gc_pauses(stack):
+    """Each API server and each worker freezes what it built at start-up out of the
+    cyclic collector (pdpb/heap.py) before serving, and counts the collector's pauses."""
+    router = stack.router
+    frozen = {
+        m.group(1): int(m.group(2))
+        for line in router.log
+        if (m := re.search(r"pdserve\.router\[(\d+)\]: (\d+) startup objects frozen", line))
+    }
+    assert set(frozen) == {str(i) for i in range(SERVERS)}, "".join(router.log[-40:])
+    assert all(n > 1000 for n in frozen.values()), frozen
+    for worker in stack.workers:
+        ready = next(
+            json.loads(line[len("PDSERVE ") :])
+            for line in worker.log
+            if line.startswith("PDSERVE ") and '"ready"' in line
+        )
+        assert ready["startup"]["gc_frozen_objects"] > 1000, ready
+    # serving allocates: young collections happen, and their pauses reach /metrics
+    outs = asyncio.run(run_streams(router.url, prompts(STREAMS, "gc"), TOKENS))
+    assert [o.kind for o in outs] == ["ok"] * STREAMS
+
+    def young_pauses() -> float:
+        return _metric(
+            _samples(get(router.url + "/metrics")[1]),
+            "pdserve_router_gc_pause_seconds_count",
+            generation="0",
+        )
+
+    deadline = time.monotonic() + 10
+    while young_pauses() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert young_pauses() > 0
 
 
 def test_clients_hanging_up_free_the_workers_blocks_within_a_second(stack):

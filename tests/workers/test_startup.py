@@ -79,6 +79,9 @@ def test_serving_only_after_warmup_and_phases_logged(model):
         kinds = startup["warmup"]["kinds"]
         assert set(kinds) == {"prefill", "decode", "mixed"}, kinds
         assert startup["warmup"]["role_path"].startswith("decode:")
+        # what start-up built is frozen out of the cyclic collector (pdpb/heap.py)
+        assert startup["gc_frozen_objects"] > 1000, startup
+        assert any("startup objects frozen out of GC" in line for line in stderr)
         assert any("decode worker ready:" in line and "total" in line for line in stderr)
 
         # nothing left behind: every block free, no request counted, prefix cache empty
