@@ -98,6 +98,9 @@ class WorkerContext:
             make = functools.partial(create_connector, s.transfer_backend)
             connector = WorkerKV(local, ranks, make, kwargs)
         log.info("KV transfer: %r", connector)
+        if ranks is not None:  # this process freezes its own heap once ready (serve())
+            frozen = ranks.freeze_heap()
+            log.info("tensor-parallel ranks froze %s startup objects out of GC", frozen)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
         self.loop.start()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine.outputs import RequestOutput
-from services.engine.sampler import DeviceTokens, samples_on_device
+from services.engine.sampler import DeviceTokens
 from services.engine.scheduler import ScheduledSeq
 from services.engine.sequence import Sequence
 
@@ -40,13 +40,9 @@ class AsyncSteps:
         )
 
     def _sampled_on_device(self, seq: Sequence, pending: int) -> bool:
-        req = self.requests[seq.seq_id]
-        return samples_on_device(
-            seq.params,
-            seq.num_output_tokens + pending,
-            bool(req.stop_token_ids),
-            bool(req.bad_word_seqs),
-        )
+        """samples_on_device for seq once `pending` more tokens are out."""
+        start = self.requests[seq.seq_id].device_sampling_from
+        return start is not None and seq.num_output_tokens + pending >= start
 
     def _launch(self, seqs: list[Sequence], prev: StepInFlight | None = None) -> StepInFlight:
         sampling = [self._sampling_request(seq) for seq in seqs]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from services.engine.sampler import (
     SamplerOutput,
     SamplingRequest,
     logits_bias_row,
+    samples_on_device,
 )
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, Scheduler
@@ -53,6 +54,18 @@ class _Request:
     # what the sampler reads of it, built on its first step and reused: all of it is
     # fixed for the request (the token list is the sequence's own), but a grammar's mask
     sampling: SamplingRequest | None = None
+    # from how many output tokens on Sampler.sample alone gives the next token
+    # (samples_on_device; None: never), decided once: async scheduling asks for every
+    # running sequence every step
+    device_sampling_from: int | None = field(init=False)
+
+    def __post_init__(self):
+        params, has_stop_ids = self.seq.params, bool(self.stop_token_ids)
+        if samples_on_device(params, params.min_tokens, has_stop_ids, bool(self.bad_word_seqs)):
+            # min_tokens masks the stop ids on the host until it is reached
+            self.device_sampling_from = params.min_tokens if has_stop_ids else 0
+        else:
+            self.device_sampling_from = None
 
 
 class LLMEngine(AsyncSteps, DisaggregatedRoles):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import datetime
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -39,6 +40,9 @@ from services.models.tensor_parallel import TPGroup
 log = logging.getLogger(__name__)
 
 STORE_HOST = "127.0.0.1"  # the ranks of one worker share a host
+
+
+FREEZE_HEAP = "freeze_heap"  # a rank-loop command of its own, not a runner method
 
 
 class RankFailed(RuntimeError):
@@ -155,6 +159,13 @@ class TPRanks:
                 raise RankFailed(f"tensor-parallel rank {rank} failed in {method}: {value}")
             replies.append(value)
         return replies
+
+    def freeze_heap(self) -> list[int]:
+        """Once the worker is warm: every other rank freezes what it built at start-up
+        out of the cyclic garbage collector (a collection walking a rank's heap
+        would stall every collective behind it; see proto/pdpb/heap.py). Returns how
+        many objects each froze."""
+        return self.gather(FREEZE_HEAP)
 
     def side_call(self, rank: int, fn: Callable, *args) -> concurrent.futures.Future:
         """Run fn(state, *args) on rank `rank`'s side channel (state: a dict the rank
@@ -288,6 +299,12 @@ def _rank_main(rank: int, plan: RankPlan, conn, side) -> None:
                 return
             if method == "stop":
                 return
+            if method == FREEZE_HEAP:
+                gc.collect()
+                gc.freeze()
+                log.info("%d startup objects frozen out of GC", gc.get_freeze_count())
+                conn.send(("ok", gc.get_freeze_count()))
+                continue
             result = getattr(runner, method)(*args)
             if method in runner.REPLYING_CALLS:
                 conn.send(("ok", result))

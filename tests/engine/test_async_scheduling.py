@@ -171,3 +171,46 @@ def test_prompts_arriving_during_decode_are_admitted_without_a_pipeline_stall(en
     mixed, ahead = in_flight[1]
     assert mixed >= 6, f"only {mixed} prompts were admitted into a pipelined step"
     assert ahead > 20
+
+
+def test_device_sampling_decided_once_agrees_with_samples_on_device(engines):
+    """The per-request threshold async scheduling reads every step gives what
+    samples_on_device gives for every output length."""
+    from services.engine.sampler import samples_on_device
+
+    engine = engines[0]
+    cases = {
+        "greedy": SamplingParams(temperature=0),
+        "min_tokens, EOS stops": SamplingParams(temperature=0, min_tokens=5),
+        "min_tokens, nothing stops": SamplingParams(temperature=0, min_tokens=5, ignore_eos=True),
+        "min_tokens, a stop id": SamplingParams(
+            temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]
+        ),
+        "logprobs": SamplingParams(temperature=0, logprobs=2),
+        "penalty": SamplingParams(temperature=0, repetition_penalty=1.2),
+    }
+    starts = {}
+    for i, (name, params) in enumerate(cases.items()):
+        seq = engine.add_request(f"dev-{i}", [1, 2, 3], params)
+        req = engine.requests[seq.seq_id]
+        starts[name] = req.device_sampling_from
+        for n in range(8):
+            seq.token_ids.append(9)  # n + 1 outputs
+            for pending in (0, 1):
+                want = samples_on_device(
+                    params,
+                    seq.num_output_tokens + pending,
+                    bool(req.stop_token_ids),
+                    bool(req.bad_word_seqs),
+                )
+                assert engine._sampled_on_device(seq, pending) == want, (name, n, pending)
+        engine.abort_request(seq.seq_id)
+    assert starts == {
+        "greedy": 0,
+        "min_tokens, EOS stops": 5,
+        "min_tokens, nothing stops": 0,
+        "min_tokens, a stop id": 3,
+        "logprobs": None,
+        "penalty": None,
+    }
+    assert_all_blocks_free(engine)

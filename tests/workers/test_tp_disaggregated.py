@@ -55,6 +55,13 @@ def test_different_tp_equals_colocated(model, prefill_tp, decode_tp):
         prefill_args=(*chunked, "--tensor-parallel-size", str(prefill_tp)),
         decode_args=("--tensor-parallel-size", str(decode_tp)),
     ) as (prefill, decode):
+        # every rank process froze its startup heap out of the collector once warm
+        for w, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+            for rank in range(1, tp):
+                assert any(
+                    f"tp-rank-{rank} INFO" in line and "startup objects frozen out of GC" in line
+                    for line in w.log
+                ), (w.role, rank, "".join(w.log[-30:]))
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(
                 pool.map(
