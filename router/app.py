@@ -38,6 +38,7 @@ async def _gc_pauses(app: web.Application):
     )
     yield
     report.cancel()
+    await asyncio.gather(report, return_exceptions=True)  # its hook is removed
 
 
 async def freeze_heap_on_startup(app: web.Application) -> None:
