@@ -112,6 +112,22 @@ def worker_cli(deployment: dict):
     return parsed
 
 
+def router_cli(docs: list[dict]):
+    """The router's args after Kubernetes expands $(VAR) from its ConfigMap, parsed and
+    turned into a RouterConfig by the router's own code."""
+    from pdserve.cli import build_parser
+    from router.cli import config_from_args
+
+    dep = find(docs, "Deployment", name("router"))
+    c = container(dep)
+    (ref,) = c["envFrom"]
+    cm = find(docs, "ConfigMap", ref["configMapRef"]["name"])
+    args = expand(c["args"], cm["data"])
+    assert args[:2] == ["pdserve", "router"]
+    parsed = build_parser().parse_args(args[1:])
+    return parsed, config_from_args(parsed)
+
+
 def resources(dep: dict) -> tuple[dict, dict]:
     res = container(dep)["resources"]
     return res.get("requests", {}), res.get("limits", {})

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.deploy import helm
-from tests.deploy.helm import POD_IP, container, find, kinds, name
+from tests.deploy.helm import POD_IP, container, find, kinds, name, router_cli
 from tests.deploy.helm import resources as _resources
 from tests.deploy.helm import worker_cli as _worker_cli
 
@@ -23,7 +22,6 @@ pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-valida
 
 EXAMPLES = [p.stem for p in helm.example_files()]
 SHAPES = [None, *EXAMPLES]  # None: the chart defaults
-BAD_VALUES = Path(__file__).parent / "bad-values.yaml"
 
 
 def test_examples_present():
@@ -54,22 +52,6 @@ def test_manifests_validate_against_kubernetes(shape):
             msg = getattr(e, "message", e)
             pytest.fail(f"{helm.kind_name(doc)} invalid for k8s {helm.KUBE_VERSION}: {path}: {msg}")
         assert doc["metadata"].get("namespace") in (None, helm.NAMESPACE)
-
-
-def _router_cli(docs: list[dict]):
-    """The router's args after Kubernetes expands $(VAR) from its ConfigMap, parsed and
-    turned into a RouterConfig by the router's own code."""
-    from pdserve.cli import build_parser
-    from router.cli import config_from_args
-
-    dep = find(docs, "Deployment", name("router"))
-    c = container(dep)
-    (ref,) = c["envFrom"]
-    cm = find(docs, "ConfigMap", ref["configMapRef"]["name"])
-    args = helm.expand(c["args"], cm["data"])
-    assert args[:2] == ["pdserve", "router"]
-    parsed = build_parser().parse_args(args[1:])
-    return parsed, config_from_args(parsed)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s or "defaults")
@@ -123,7 +105,7 @@ def test_common_wiring(shape):
         assert pdb["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
 
     # router: finds the pools by their headless Service DNS names
-    parsed, config = _router_cli(docs)
+    parsed, config = router_cli(docs)
     domain = f"{helm.NAMESPACE}.svc.cluster.local"
     assert config.prefill == (f"{name('prefill')}.{domain}:50061",)
     assert config.decode == (f"{name('decode')}.{domain}:50071",)
@@ -180,7 +162,7 @@ def test_defaults():
         assert "--kernel-choices" not in args and "--enforce-eager" not in args
         cli = _worker_cli(dep)
         assert (cli.kernel_backend, cli.kernel_choices, cli.enforce_eager) == ("auto", None, False)
-    parsed, config = _router_cli(docs)
+    parsed, config = router_cli(docs)
     assert (config.prefill_policy, config.decode_policy) == ("round_robin", "least_load")
     assert config.api_keys == ()
     # /admin is off: no token anywhere (no Secret at all, see the kinds above)
@@ -228,7 +210,7 @@ def test_1p1d_one_gpu_node():
         assert start["periodSeconds"] * start["failureThreshold"] >= 1200
     assert len(nodes) == 1, "prefill and decode must land on the same node"
     assert _worker_cli(find(docs, "Deployment", name("decode"))).kv_cache_memory_gb == 60
-    parsed, config = _router_cli(docs)
+    parsed, config = router_cli(docs)
     assert config.served_model_name == "qwen3-8b"
 
 
@@ -282,7 +264,7 @@ def test_xpyd_rdma():
     assert not kinds(docs, "Secret")  # the key's Secret is the user's; /admin is off
     assert c["image"] == "registry.example.com/pdserve-router:0.1.0"
     assert router["spec"]["replicas"] == 2
-    parsed, config = _router_cli(docs)
+    parsed, config = router_cli(docs)
     assert config.prefill_policy == "prefix_aware" and config.max_concurrent_requests == 4096
     ing = find(docs, "Ingress", name("router"))
     assert ing["spec"]["rules"][0]["host"] == "llm.example.com"
@@ -424,220 +406,3 @@ def test_prefill_and_decode_are_twins():
     assert set(decode["required"]) == extras
     assert set(decode["properties"]) == {"replicas"}
     assert decode["properties"]["replicas"]["minimum"] == 1
-
-
-def test_every_value_is_documented():
-    schema = json.loads((helm.CHART / "values.schema.json").read_text())
-    undocumented = []
-
-    def walk(node: dict | bool, path: str) -> None:
-        if isinstance(node, bool):  # false: a key refused there (decode-only in prefill)
-            return
-        for key, sub in (node.get("properties") or {}).items():
-            if isinstance(sub, dict) and not sub.get("description"):
-                undocumented.append(f"{path}.{key}")
-            walk(sub, f"{path}.{key}")
-        if isinstance(node.get("items"), dict):
-            walk(node["items"], f"{path}[]")
-
-    walk(schema, "")
-    for key, definition in schema["definitions"].items():  # what the $refs point to
-        walk(definition, f"#/definitions/{key}")
-    assert undocumented == []
-    # and every default value is covered by the schema (additionalProperties: false)
-    values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
-    assert set(values) <= set(schema["properties"])
-
-
-BAD = [
-    ({"prefill": {"replicas": "two"}}, "/prefill/replicas"),
-    ({"decode": {"replicas": 0}}, "/decode/replicas"),
-    ({"kvTransfer": {"protocol": "udp"}}, "/kvTransfer/protocol"),
-    ({"prefil": {"replicas": 1}}, "prefil"),
-    ({"decode": {"prefillFailurePolicy": "retry"}}, "/decode/prefillFailurePolicy"),
-    ({"prefill": {"prefillTimeout": 5}}, "prefillTimeout"),  # decode-only key
-    ({"router": {"policy": {"prefill": "random"}}}, "/router/policy/prefill"),
-    ({"router": {"toolCallParser": "pythonic"}}, "/router/toolCallParser"),
-    ({"prefill": {"gpu": {"count": -1}}}, "/prefill/gpu/count"),
-    ({"prefill": {"hugepages": {"size": "4Mi"}}}, "/prefill/hugepages/size"),
-    ({"model": {"source": "pvc"}}, "claimName"),
-    ({"model": {"source": "s3"}}, "/model/source"),
-    ({"model": {"pvc": {"subPath": "/abs"}}}, "/model/pvc/subPath"),
-    ({"model": {"pvc": {"subPath": "a/../b"}}}, "/model/pvc/subPath': 'not' failed"),
-    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
-    ({"prefill": {"engine": {"kernelBackend": "cudnn"}}}, "/prefill/engine/kernelBackend"),
-    ({"decode": {"engine": {"enforceEager": "yes"}}}, "/decode/engine/enforceEager"),
-    ({"prefill": {"engine": {"kvCacheDtype": "fp8_e5m2"}}}, "/prefill/engine/kvCacheDtype"),
-    (
-        {"decode": {"engine": {"kernelBackend": "tuned", "kernelChoices": "rms_norm=triton;id"}}},
-        "/decode/engine/kernelChoices",
-    ),
-    # kernel choices only apply to the tuned backend (tuned, or auto on a GPU)
-    (
-        {"prefill": {"engine": {"kernelBackend": "torch", "kernelChoices": "rms_norm=triton"}}},
-        "/prefill/engine': 'anyOf' failed",
-    ),
-    ({"decode": {"engine": {"kernelChoices": "rms_norm=triton"}}}, "/decode/engine': 'anyOf'"),
-]
-
-
-@pytest.mark.parametrize("values,where", BAD, ids=[w for _, w in BAD])
-def test_bad_values_rejected(values, where):
-    import helm_python
-
-    with pytest.raises(helm_python.HelmValuesError) as err:
-        helm.render(values)
-    assert where in str(err.value)
-
-
-def test_bad_values_file_fails_early():
-    """The checked-in bad values file: schema validation, lint and install-render fail."""
-    import helm_python
-
-    values = yaml.safe_load(BAD_VALUES.read_text())
-    with helm_python.Chart.load(helm.CHART) as chart:
-        with pytest.raises(helm_python.HelmValuesError):
-            chart.validate_schema(values)
-        with pytest.raises(helm_python.HelmValuesError):
-            chart.render(values, name=helm.RELEASE, namespace=helm.NAMESPACE, is_install=True)
-    report = helm.lint(values)
-    assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])
-
-
-def test_no_prefill_pool_runs_the_router_colocated():
-    """prefill.replicas 0: the router gets no prefill address (a headless Service with
-    no pods would leave it waiting for pairs forever) and runs colocated."""
-    docs = helm.render({"prefill": {"replicas": 0}})
-    assert find(docs, "Deployment", name("prefill"))["spec"]["replicas"] == 0
-    parsed, config = _router_cli(docs)
-    assert config.prefill == () and len(config.decode) == 1
-    from router.registry import WorkerRegistry
-
-    assert WorkerRegistry(config).colocated
-    # autoscaled prefill pools keep their address whatever replicas says
-    docs = helm.render({"prefill": {"replicas": 0, "autoscaling": {"enabled": True}}})
-    assert len(_router_cli(docs)[1].prefill) == 1
-
-
-def test_tool_call_parser_enables_auto_tool_choice():
-    """router.toolCallParser passes vLLM's two tool flags; unset, neither."""
-    config = _router_cli(helm.render())[1]
-    assert (config.tool_call_parser, config.enable_auto_tool_choice) == (None, False)
-    config = _router_cli(helm.render({"router": {"toolCallParser": "hermes"}}))[1]
-    assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)
-
-
-def test_api_server_count_reaches_the_router():
-    """router.apiServerCount is --api-server-count (default 1); with an admin token it is
-    refused at render time, as the router would refuse it at start."""
-    import helm_python
-
-    assert _router_cli(helm.render())[1].api_server_count == 1
-    assert _router_cli(helm.render({"router": {"apiServerCount": 4}}))[1].api_server_count == 4
-    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmError)) as err:
-        helm.render({"router": {"apiServerCount": 2, "adminToken": {"generate": True}}})
-    assert "leave router.adminToken unset" in str(err.value)
-    with pytest.raises(helm_python.HelmValuesError) as err:
-        helm.render({"router": {"apiServerCount": 0}})
-    assert "/router/apiServerCount" in str(err.value)
-
-
-@pytest.mark.parametrize("cache_type", ["image", "emptyDir", "pvc"])
-def test_triton_kernels_cached_on_the_model_cache_volume(cache_type):
-    """A writable model cache (emptyDir, pvc) also keeps the compiled Triton kernels, so
-    a pvc shares them between pods; the image's read-only copy leaves Triton's default."""
-    cache = {"type": cache_type, "path": "/cache"}
-    if cache_type == "pvc":
-        cache["claimName"] = "models"
-    docs = helm.render({"model": {"cache": cache}})
-    for role in ("prefill", "decode"):
-        c = container(find(docs, "Deployment", name(role)))
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        if cache_type == "image":
-            assert "TRITON_CACHE_DIR" not in env
-        else:
-            assert env["TRITON_CACHE_DIR"] == "/cache/triton" and "/cache" in mounts
-
-
-@pytest.mark.parametrize("sub_path", ["", "Llama-3.1-8B-Instruct"], ids=["no-subPath", "subPath"])
-def test_model_pvc_sub_path_is_mounted(sub_path):
-    """model.pvc.subPath: the workers mount only that folder of the claim at mountPath."""
-    model = {"name": "/models", "source": "pvc", "pvc": {"claimName": "llm-models"}}
-    if sub_path:
-        model["pvc"]["subPath"] = sub_path
-    values = {"model": model}
-    assert helm.lint(values)["errors"] == []
-    docs = helm.render(values)
-    for role in ("prefill", "decode"):
-        dep = find(docs, "Deployment", name(role))
-        helm.validate(dep)
-        (volume,) = (v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
-        assert volume["persistentVolumeClaim"] == {"claimName": "llm-models", "readOnly": True}
-        (mount,) = (m for m in container(dep)["volumeMounts"] if m["name"] == "model")
-        assert mount["mountPath"] == "/models" and mount["readOnly"] is True
-        if sub_path:
-            assert mount["subPath"] == sub_path
-        else:
-            assert "subPath" not in mount
-    # the router and the helm test pod do not mount the model
-    for doc in docs:
-        if doc["kind"] in ("Deployment", "Pod") and doc["metadata"]["name"] not in (
-            name("prefill"),
-            name("decode"),
-        ):
-            pod = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]
-            assert all(v["name"] != "model" for v in pod.get("volumes", []))
-
-
-def test_model_pvc_sub_path_ignored_for_host_path():
-    docs = helm.render(
-        {
-            "model": {
-                "source": "hostPath",
-                "hostPath": {"path": "/data/models"},
-                "pvc": {"subPath": "Llama-3.1-8B-Instruct"},
-            }
-        }
-    )
-    for role in ("prefill", "decode"):
-        c = container(find(docs, "Deployment", name(role)))
-        (mount,) = (m for m in c["volumeMounts"] if m["name"] == "model")
-        assert "subPath" not in mount
-
-
-def test_grafana_dashboard_configmap():
-    """Off by default; on, a ConfigMap with the sidecar's label holds the dashboard JSON,
-    whose queries use the metric names the router and workers export."""
-    assert not any(
-        d["metadata"]["name"] == name("dashboard") for d in kinds(helm.render(), "ConfigMap")
-    )
-    values = {
-        "monitoring": {
-            "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}
-        }
-    }
-    docs = helm.render(values)
-    cm = find(docs, "ConfigMap", name("dashboard"))
-    helm.validate(cm)
-    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
-    dashboard = json.loads(cm["data"]["pdserve-pd.json"])
-    assert dashboard["uid"] == "pdserve-pd"
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    for metric in (
-        "vllm:time_to_first_token_seconds",
-        "vllm:kv_cache_usage_perc",
-        "pdserve_router_prefill_time_seconds",
-        "pdserve_router_kv_transfer_time_seconds",
-        "pdserve_kv_transfer_bytes_total",
-        "pdserve_prefill_fallbacks_total",
-        "pdserve_router_worker_num_free_blocks",
-        "pdserve_merged_responses_total",
-    ):
-        assert metric in exprs, metric
-    # a label the sidecar does not know cannot be a number
-    import helm_python
-
-    with pytest.raises(helm_python.HelmValuesError):
-        helm.render({"monitoring": {"grafanaDashboard": {"enabled": True, "labels": {"a": 1}}}})
