@@ -299,11 +299,12 @@ def _rank_main(rank: int, plan: RankPlan, conn, side) -> None:
                 return
             if method == "stop":
                 return
-            if method == FREEZE_HEAP:
+            if method == FREEZE_HEAP:  # pdpb.heap's freeze: the engine may not import pdpb
                 gc.collect()
                 gc.freeze()
-                log.info("%d startup objects frozen out of GC", gc.get_freeze_count())
-                conn.send(("ok", gc.get_freeze_count()))
+                frozen = gc.get_freeze_count()
+                log.info("%d startup objects frozen out of GC", frozen)
+                conn.send(("ok", frozen))
                 continue
             result = getattr(runner, method)(*args)
             if method in runner.REPLYING_CALLS:

@@ -167,6 +167,7 @@ def test_every_process_freezes_its_startup_heap_and_reports_gc_pauses(stack):
     # serving allocates: young collections happen, and their pauses reach /metrics
     outs = asyncio.run(run_streams(router.url, prompts(STREAMS, "gc"), TOKENS))
     assert [o.kind for o in outs] == ["ok"] * STREAMS
+    assert_blocks_back(stack.workers)
 
     def young_pauses() -> float:
         return _metric(
