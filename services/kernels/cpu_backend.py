@@ -68,6 +68,8 @@ class CpuOneDnnBackend(TorchBackend):
     def __init__(self):
         if not torch.backends.mkldnn.is_available():
             raise RuntimeError("this torch build has no oneDNN (mkldnn)")
+        # oneDNN packs a bf16 weight only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+        self._bf16_supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
     def linear(self, x, layer):
         if (
@@ -76,6 +78,12 @@ class CpuOneDnnBackend(TorchBackend):
             or x.dtype not in (torch.float32, torch.bfloat16)
         ):
             return super().linear(x, layer)
+        if x.dtype == torch.bfloat16 and not self._bf16_supported:
+            # refused, not sent to the reference: the tuner drops a candidate that raises
+            raise RuntimeError(
+                "cpu_onednn: bf16 linears need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, "
+                "which this CPU lacks"
+            )
         packed = _derived_weight(
             layer, "_onednn_weight", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)
         )
