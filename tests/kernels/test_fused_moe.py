@@ -21,6 +21,7 @@ from services.kernels.triton.moe_align import (  # noqa: E402
     route_and_align,
 )
 from services.kernels.triton.moe_config import _check_config, default_config  # noqa: E402
+from services.kernels.triton.moe_gemv import GEMV_MAX_PAIRS  # noqa: E402
 from services.kernels.triton_backend import TritonBackend  # noqa: E402
 from tests.kernels.helpers import DTYPES, assert_close_rel  # noqa: E402
 
@@ -288,6 +289,18 @@ def test_default_config():
                 _check_config(default_config(t, e, 1024, 512, k, dtype))
 
 
+def test_default_launch_takes_the_gemv_path_for_one_token():
+    """Without a tuned config one token runs the GEMV path (faster at both expert
+    shapes on the H200), more tokens and FP8 experts the tiles."""
+    from services.kernels.triton.moe_config import default_launch
+
+    for e, k, h, i in ((128, 8, 2048, 768), (8, 2, 4096, 14336)):
+        assert default_launch(1, e, h, i, k, torch.bfloat16)["kernel"] == "gemv"
+        for t, dtype in ((2, torch.bfloat16), (64, torch.float32), (1, torch.float8_e4m3fn)):
+            cfg = default_launch(t, e, h, i, k, dtype)
+            assert cfg == default_config(t, e, h, i, k, dtype) and "kernel" not in cfg
+
+
 # ---- GPU: Mixtral- and Qwen3-MoE-like shapes, no host syncs, CUDA graphs -------------
 
 
@@ -377,7 +390,11 @@ def test_every_tuner_config_is_correct(impl, t):
     x, logits, w13, w2 = _moe_inputs(t, e, h, inter, dtype=dtype, device="cuda", seed=7)
     want = _reference(x, logits, w13, w2, top_k, True)
     configs = candidate_configs(t, e, h, inter, top_k, dtype)
-    assert len(configs) == 4
-    for cfg in configs:
+    tiles = [cfg for cfg in configs if cfg.get("kernel") != "gemv"]
+    gemv = [cfg for cfg in configs if cfg.get("kernel") == "gemv"]
+    assert len(tiles) == 4
+    assert len(gemv) == (2 if t * top_k <= GEMV_MAX_PAIRS else 0)
+    # aiter's kernel takes tile configs only; the GEMV path is pdserve's own
+    for cfg in tiles + (gemv if impl == "triton" else []):
         out = backend.fused_moe(x, logits, w13, w2, top_k, True, config=cfg)
         assert_close_rel(out, want, dtype)

@@ -156,3 +156,19 @@ def test_ops_llama3_8b_sizes(dtype):
     TRI.store_kv_cache(k_out, v, kv[:, 2, 0], kv[:, 2, 1], slots)
     REF.store_kv_cache(k_out, v, expected[:, 2, 0], expected[:, 2, 1], slots)
     assert torch.equal(kv, expected)
+
+
+def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
+    """PDL is a CUDA launch attribute for compute capability 9+: never on a CPU tensor
+    (the interpreter), and off everywhere when PDSERVE_TRITON_PDL=0. Hopper runs are in
+    tests/engine/test_gpu_pdl.py."""
+    from services.kernels.triton import _launch
+
+    monkeypatch.delenv(_launch.PDL_ENV, raising=False)
+    assert not _launch.use_pdl(torch.zeros(1))
+    if torch.cuda.is_available():
+        monkeypatch.setenv(_launch.PDL_ENV, "0")
+        assert not _launch.use_pdl(torch.zeros(1, device="cuda"))
+        monkeypatch.setenv(_launch.PDL_ENV, "1")
+        expected = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+        assert _launch.use_pdl(torch.zeros(1, device="cuda")) == expected

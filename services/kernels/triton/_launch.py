@@ -1,12 +1,23 @@
-"""Launch helpers shared by the Triton kernels: interpreter detection and sizes."""
+"""Launch helpers shared by the Triton kernels: interpreter detection, sizes, and
+programmatic dependent launch."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+try:  # Triton >= 3.3: grid dependency control (Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+# "0" turns programmatic dependent launch off (an A/B switch for benchmarks).
+PDL_ENV = "PDSERVE_TRITON_PDL"
 
 
 def is_interpreted(kernel) -> bool:
@@ -66,3 +77,33 @@ def rows_per_program(interpreted: bool, n_rows: int, row_elems: int, gpu_rows: i
         return gpu_rows
     budget = max(1, (1 << 16) // next_pow2(row_elems))
     return min(next_pow2(n_rows), 1 << (budget.bit_length() - 1))
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch the kernels that work on t with programmatic dependent launch (PDL): on
+    Hopper and later NVIDIA GPUs a kernel may then start while the previous one in the
+    stream drains, and waits (`pdl_sync`) only where it first touches that kernel's
+    results. At decode batch sizes a layer is a dozen kernels of a few microseconds,
+    so the gap between two of them is a large share of the step (docs/performance.md).
+    CUDA graphs keep the overlap (captured as programmatic edges)."""
+    if not t.is_cuda or gdc_wait is None or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _pdl_capable(index)
+
+
+@triton.jit
+def pdl_sync(USE_PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel has finished and its writes are
+    visible, then let the next kernel begin launching. Every kernel launched with PDL
+    calls this in every program before it reads anything a kernel wrote or writes
+    anything (only weights, which no kernel writes while serving, may be read before),
+    so "finished" carries down the chain."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

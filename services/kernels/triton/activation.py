@@ -13,7 +13,9 @@ from services.kernels.triton._launch import (
     check_device,
     is_interpreted,
     next_pow2,
+    pdl_sync,
     rows_per_program,
+    use_pdl,
 )
 
 
@@ -27,7 +29,9 @@ def _silu_and_mul_kernel(
     stride_xc,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < inter)[None, :]
@@ -54,7 +58,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block_i = next_pow2(inter) if interp else min(1024, next_pow2(inter))
     block_r = rows_per_program(interp, n_rows, block_i)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(inter, block_i))
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[grid](
-        x2, out, n_rows, inter, x2.stride(0), x2.stride(1), BLOCK_R=block_r, BLOCK_I=block_i
-    )
+        x2, out, n_rows, inter, x2.stride(0), x2.stride(1), BLOCK_R=block_r, BLOCK_I=block_i,
+        USE_PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return out

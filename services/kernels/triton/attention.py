@@ -52,6 +52,8 @@ from services.kernels.triton._launch import (
     device_sms,
     is_interpreted,
     next_pow2,
+    pdl_sync,
+    use_pdl,
 )
 from services.kernels.triton.attention_config import attention_config
 
@@ -106,7 +108,9 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # FP8 cache: computed in q's dtype, or in fp16 (KV_F16)
     KV_F16: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -254,7 +258,9 @@ def _merge_splits_kernel(
     HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # token * Hq + head
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -362,6 +368,7 @@ def paged_attention(
         qk_scale *= float(k_scale)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
+    pdl = use_pdl(q)
     for rows, c in launches:
         _paged_attention_kernel[(c["num_q_blocks"], num_kv_heads, c["NUM_SPLITS"])](
             out,
@@ -396,8 +403,10 @@ def paged_attention(
             KV_FP8=kv_fp8,
             KV_F16=kv_f16,
             ROWS=rows,
+            USE_PDL=pdl,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
+            launch_pdl=pdl,
         )
     if splits > 1:
         n_rows = n_tokens * num_q_heads
@@ -413,7 +422,9 @@ def paged_attention(
             HEAD_DIM_P=head_dim_p,
             NUM_SPLITS=splits,
             BLOCK_R=block_r,
+            USE_PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

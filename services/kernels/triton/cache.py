@@ -22,7 +22,9 @@ from services.kernels.triton._launch import (
     check_device,
     is_interpreted,
     next_pow2,
+    pdl_sync,
     rows_per_program,
+    use_pdl,
 )
 
 
@@ -82,7 +84,9 @@ def _store_kv_kernel(
     FP8: tl.constexpr,
     FP8_TOP: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tokens
     slot = tl.load(slot_ptr + toks, mask=tok_ok, other=-1).to(tl.int64)
@@ -143,6 +147,7 @@ def store_kv_cache(
     interp = is_interpreted(_store_kv_kernel)
     block_hd = next_pow2(num_heads * head_dim)
     block_t = rows_per_program(interp, n_tokens, block_hd)
+    pdl = use_pdl(k)
     _store_kv_kernel[(triton.cdiv(n_tokens, block_t),)](
         k,
         v,
@@ -164,5 +169,7 @@ def store_kv_cache(
         FP8=fp8,
         FP8_TOP=fp8_top,
         FP8_MIN_EXP=fp8_min_exp,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

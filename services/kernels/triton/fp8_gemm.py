@@ -30,7 +30,13 @@ import triton.language as tl
 
 from services.kernels.fp8 import FP8_DTYPE, MIN_AMAX, Fp8Format, fp8_max
 from services.kernels.triton import fp8_gemv
-from services.kernels.triton._launch import check_device, is_interpreted, next_pow2
+from services.kernels.triton._launch import (
+    check_device,
+    is_interpreted,
+    next_pow2,
+    pdl_sync,
+    use_pdl,
+)
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
 
 
@@ -49,7 +55,9 @@ def _quant_act_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     start = g * GROUP
@@ -99,6 +107,7 @@ def quantize_activation(
     if m == 0:
         return q, s
     chunk = min(next_pow2(group), 4096 if is_interpreted(_quant_act_kernel) else 1024)
+    pdl = use_pdl(x)
     _quant_act_kernel[(m, groups)](
         x,
         q,
@@ -113,6 +122,8 @@ def quantize_activation(
         FP8_MAX_=fp8_max(dtype),
         MIN_AMAX=MIN_AMAX,
         ROUND_IN_FP32=is_interpreted(_quant_act_kernel),
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return q, s
 
@@ -143,7 +154,9 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -249,6 +262,7 @@ def fp8_gemm(
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages", 2)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    pdl = use_pdl(xq)
     _fp8_gemm_kernel[grid](
         xq,
         x_scale,
@@ -269,8 +283,10 @@ def fp8_gemm(
         SCALE_K=scale_k,
         SCALE_N=scale_n,
         HAS_BIAS=bias is not None,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
         **cfg,
     )
     return out

@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.triton._launch import check_device, device_sms, is_interpreted, next_pow2
+from services.kernels.triton._launch import (
+    check_device,
+    device_sms,
+    is_interpreted,
+    next_pow2,
+    pdl_sync,
+    use_pdl,
+)
 
 GEMV_MAX_ROWS = 8
 GEMV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -90,15 +97,16 @@ def _interpreter_config(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr):
+def _load_tile(ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr):
     if EVEN_K:  # no masks: the loads stay 16-byte vectors
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs)
-    else:
-        k_ok = ((k + offs_k) < k_end)[None, :]
-        w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-    return w, x
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=((k + offs_k) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr):
+    w = _load_tile(w_ptrs, k, offs_k, k_end, EVEN_K)
+    return w, _load_tile(x_ptrs, k, offs_k, k_end, EVEN_K)
 
 
 @triton.jit
@@ -122,6 +130,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,13 +150,23 @@ def _gemv_kernel(
         # One row: elementwise FMAs into an fp32 [BLOCK_N, BLOCK_K] tile and a single
         # reduction after the loop (5-25% faster than a padded tensor-core tile).
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
+        k_loop = k_start
+        if USE_PDL:  # the first weight tile loads while the previous kernel drains
+            w = _load_tile(w_ptrs, k_start, offs_k, k_end, EVEN_K)
+            pdl_sync(USE_PDL)
+            x = _load_tile(x_ptrs, k_start, offs_k, k_end, EVEN_K)
+            part += w.to(tl.float32) * x.to(tl.float32)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K * stride_xk
+            k_loop += BLOCK_K
+        for k in range(k_loop, k_end, BLOCK_K):
             w, x = _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K)
             part += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
         acc = tl.sum(part, axis=1)[None, :]
     else:
+        pdl_sync(USE_PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             w, x = _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K)
@@ -178,7 +197,9 @@ def _split_k_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -247,6 +268,7 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
     split_k = triton.cdiv(k, k_per_split)  # drop splits that would be empty
     upcast = is_interpreted(_gemv_kernel) and x.dtype == torch.bfloat16
     dst = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x,
         weight,
@@ -267,8 +289,10 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
         SPLIT_K=split_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         UPCAST_DOT=upcast,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if split_k > 1:
         block = min(1024, next_pow2(m * n))
@@ -281,5 +305,7 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
             HAS_BIAS=bias is not None,
             SPLIT_K=split_k,
             BLOCK=block,
+            USE_PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )

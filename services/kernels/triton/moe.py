@@ -33,7 +33,8 @@ row's and the column's scales. The GEMV path takes no FP8 weights.
 Both GEMMs launch the static maximum grid (tiles x column blocks, GROUP_M-swizzled);
 programs whose tile is past `num_valid_tiles` return at once, and padding rows are
 masked on store. Launch settings come from a config dict (BLOCK_M, BLOCK_N, BLOCK_K,
-GROUP_M, num_warps, num_stages); `moe_config.default_config` picks one from the shapes.
+GROUP_M, num_warps, num_stages); `moe_config.default_config` picks one from the shapes,
+and `moe_config.default_launch` takes the GEMV path (moe_gemv.py) for a single token.
 
 Measured on an H200 (bf16, CUDA-graph replays, default configs): Qwen3-30B-A3B experts
 (E=128, top-8, H=2048, I=768) T=1 47 us (routing + alignment 9 us), T=64 308 us
@@ -48,10 +49,10 @@ import triton
 import triton.language as tl
 
 from services.kernels.fp8 import FP8_DTYPES, Fp8Experts, expert_scale_shapes, experts_fit_fp8
-from services.kernels.triton._launch import check_device, is_interpreted
+from services.kernels.triton._launch import check_device, is_interpreted, pdl_sync, use_pdl
 from services.kernels.triton.fp8_gemm import quantize_activation
 from services.kernels.triton.moe_align import route_and_align
-from services.kernels.triton.moe_config import _check_config, default_config
+from services.kernels.triton.moe_config import _check_config, default_launch
 from services.kernels.triton.moe_gemv import fused_moe_gemv
 
 MOE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -97,7 +98,9 @@ def _moe_gemm_kernel(
     PER_BLOCK: tl.constexpr,  # FP8 block weights: every K step's dot; else the epilogue
     SCALE_N: tl.constexpr,  # FP8: rows of b per scale (block_n; 1 for channel scales)
     SCALE_K: tl.constexpr,  # FP8 block: columns per scale (block_k; BLOCK_K divides it)
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     # GROUP_M-swizzled order: consecutive programs share B column blocks
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -188,6 +191,7 @@ def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast,
     if fmt is not None and not per_block:
         b_scale = b_scale.unsqueeze(-1)  # [E, rows, 1]: the block layout with 1-row blocks
     block_k = min(cfg["BLOCK_K"], fmt.block_k) if per_block else cfg["BLOCK_K"]
+    pdl = use_pdl(a)
     _moe_gemm_kernel[grid](
         a,
         b,
@@ -225,8 +229,10 @@ def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast,
         PER_BLOCK=per_block,
         SCALE_N=fmt.block_n if per_block else 1,
         SCALE_K=fmt.block_k if per_block else 1,
+        USE_PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        launch_pdl=pdl,
     )
 
 
@@ -288,9 +294,9 @@ def fused_moe(
 ) -> torch.Tensor:
     """KernelBackend.fused_moe: x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I] -> [T, H] in x's dtype. Any strides; fp32
-    accumulation. config: launch settings (keys CONFIG_KEYS), default_config's when
-    None. fp8: FP8 w13 / w2 with block or channel scales (fp8.Fp8Experts), computed
-    W8A8 as the module doc says."""
+    accumulation. config: launch settings (keys CONFIG_KEYS, or a GEMV config),
+    moe_config.default_launch's when None. fp8: FP8 w13 / w2 with block or channel
+    scales (fp8.Fp8Experts), computed W8A8 as the module doc says."""
     _check(x, router_logits, w13, w2, top_k, fp8)
     t, h = x.shape
     e, two_i, _ = w13.shape
@@ -298,7 +304,7 @@ def fused_moe(
     if t == 0 or h == 0 or inter == 0:
         return torch.zeros_like(x)
     check_device(_moe_gemm_kernel, x, router_logits, w13, w2)
-    cfg = _check_config(dict(config or default_config(t, e, h, inter, top_k, w13.dtype)))
+    cfg = _check_config(dict(config or default_launch(t, e, h, inter, top_k, w13.dtype)))
     if cfg.get("kernel") == "gemv":
         if fp8 is not None:
             raise ValueError("the MoE GEMV path (moe_gemv.py) has no FP8 weights")

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.triton._launch import next_pow2
+from services.kernels.triton._launch import next_pow2, pdl_sync, use_pdl
 
 
 def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
@@ -178,8 +178,10 @@ def _route_align_fused_kernel(
     E_P: tl.constexpr,
     SUB_J: tl.constexpr,
     FILL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """All of it in one program (one chunk): decode-sized batches."""
+    pdl_sync(USE_PDL)
     counts = _route_chunk(
         logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, 0, T, E,
         K, K_P, RENORMALIZE, SUB_T, E_P,
@@ -212,7 +214,9 @@ def _route_count_kernel(
     SUB_T: tl.constexpr,
     E_P: tl.constexpr,
     FILL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     c = tl.program_id(0)
     r_start = c * ROWS_PER_CHUNK  # this chunk's share of the padding fill
     _fill(sorted_ids_ptr, T * K, r_start, tl.minimum(r_start + ROWS_PER_CHUNK, rows), FILL)
@@ -234,7 +238,9 @@ def _align_offsets_kernel(
     BLOCK_M: tl.constexpr,
     E_P: tl.constexpr,
     SUB_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     e_idx = tl.arange(0, E_P)
     total = tl.zeros([E_P], dtype=tl.int32)
     for c0 in range(0, num_chunks, SUB_C):
@@ -276,7 +282,9 @@ def _align_scatter_kernel(
     SUB_P: tl.constexpr,
     E_P: tl.constexpr,
     SUB_J: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     c = tl.program_id(0)
     e_idx = tl.arange(0, E_P)
     j_start = c * TILES_PER_CHUNK  # this chunk's share of the tile experts
@@ -348,11 +356,13 @@ def route_and_align(
     fill = 1024
     sub_j = max(16, _TILE_ELEMS // e_p)  # tiles per step of the tile-expert loop
     logits = (router_logits, router_logits.stride(0), router_logits.stride(1))
+    pdl = use_pdl(router_logits)
     if plan["num_chunks"] == 1:
         _route_align_fused_kernel[(1,)](
             *logits, weights, ids, sorted_ids, tile_expert, num_valid, t, e, rows, tiles,
             K=top_k, K_P=k_p, RENORMALIZE=renormalize, BLOCK_M=block_m, SUB_T=sub_t,
             SUB_P=sub_p, E_P=e_p, SUB_J=sub_j, FILL=fill, num_warps=warps,
+            USE_PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
         return weights, ids, sorted_ids, tile_expert, num_valid
     nc, chunk_t = plan["num_chunks"], plan["CHUNK_T"]
@@ -363,15 +373,16 @@ def route_and_align(
     _route_count_kernel[(nc,)](
         *logits, weights, ids, counts, sorted_ids, t, e, chunk_t, rows, triton.cdiv(rows, nc),
         K=top_k, K_P=k_p, RENORMALIZE=renormalize, SUB_T=sub_t, E_P=e_p, FILL=fill,
-        num_warps=warps,
+        num_warps=warps, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     _align_offsets_kernel[(1,)](
         counts, padded_end, num_valid, nc, e,
         BLOCK_M=block_m, E_P=e_p, SUB_C=max(16, min(64, _TILE_ELEMS // e_p)), num_warps=warps,
+        USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     _align_scatter_kernel[(nc,)](
         ids, sorted_ids, counts, padded_end, tile_expert, m, chunk_t * top_k, e, tiles,
         triton.cdiv(tiles, nc), BLOCK_M=block_m, SUB_P=sub_p, E_P=e_p, SUB_J=sub_j,
-        num_warps=warps,
+        num_warps=warps, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids, sorted_ids, tile_expert, num_valid

@@ -65,6 +65,24 @@ def default_config(
     return _fit_smem(cfg, dtype)
 
 
+def default_launch(
+    num_tokens: int,
+    E: int,
+    H: int,
+    I: int,  # noqa: E741
+    top_k: int,
+    dtype: torch.dtype,
+) -> dict:
+    """What fused_moe runs without a tuned config: the GEMV path for a single token
+    (bf16 on the H200, CUDA-graph replays, `benchmarks/moe_configs_bench.py`:
+    Qwen3-30B-A3B experts 31.9 against 36.3 us for the best tiles, Mixtral's 185.6
+    against 190.1), tiles otherwise (from 4 tokens on the tiles won at both shapes),
+    and always for FP8 experts, which the GEMV path does not take."""
+    if num_tokens == 1 and dtype.itemsize > 1:
+        return default_gemv_config(num_tokens, E, H, I, top_k)
+    return default_config(num_tokens, E, H, I, top_k, dtype)
+
+
 def _smem_bytes(cfg: dict, dtype: torch.dtype) -> int:
     """GEMM 1's A tile plus gate and up tiles, per stage."""
     esize = dtype.itemsize

@@ -10,10 +10,12 @@ keep HBM busy. Here each pair streams its expert's rows directly:
    optional renormalize -> weights [T * k] (x's dtype), ids [T * k];
 2. gate/up (`_gated_kernel`, grid pairs x cdiv(I, BLOCK_N)): fp32 FMAs of x's row
    with the expert's gate and up rows, silu(gate) * up -> act [M, I] in x's dtype;
-3. down (`_down_kernel`, grid T x cdiv(H, BLOCK_N)): per token, each of its k pairs'
-   act row times w2[e] rows, scaled by the routing weight and rounded to x's dtype
-   (as moe.py rounds each pair's row), summed in fp32 over the k pairs -> out [T, H].
-   No atomics, no intermediate [M, H]: deterministic, and one launch fewer.
+3. down (`_down_kernel`, grid pairs x cdiv(H, BLOCK_N)): each pair's act row times
+   w2[e] rows, scaled by the routing weight and rounded to x's dtype (as moe.py rounds
+   each pair's row) -> part [M, H];
+4. `_sum_slots_kernel`: each token's k rows of part summed in fp32, in slot order ->
+   out [T, H]. No atomics: deterministic. (One program per token in step 3, walking
+   its k pairs in turn, kept too few loads in flight: at one token 256 programs.)
 
 Same semantics as moe.py's fused_moe; picked by the tuner (a config with
 "kernel": "gemv") where it is faster, i.e. decode batches. No host synchronisation."""
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.triton._launch import check_device, next_pow2
+from services.kernels.triton._launch import check_device, next_pow2, pdl_sync, use_pdl
 from services.kernels.triton.moe_align import _route_chunk
 
 GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
@@ -57,8 +59,9 @@ def check_gemv_config(cfg: dict) -> dict:
 def _route_kernel(
     logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, T, E,
     K: tl.constexpr, K_P: tl.constexpr, RENORMALIZE: tl.constexpr, SUB_T: tl.constexpr,
-    E_P: tl.constexpr,
+    E_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     t_start = tl.program_id(0) * SUB_T
     _route_chunk(
         logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, t_start,
@@ -70,8 +73,9 @@ def _route_kernel(
 def _gated_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, H, INTER,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)  # the expert comes from the routing kernel: nothing to load before
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = (pair // TOP_K).to(tl.int64)
@@ -101,32 +105,44 @@ def _gated_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, INTER,
-    stride_we, stride_wn, stride_wk, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr, w_ptr, part_ptr, ids_ptr, weights_ptr, H, INTER,
+    stride_we, stride_wn, stride_wk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
+    pdl_sync(USE_PDL)
+    pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
-        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < INTER
-            a = tl.load(act_ptr + pair * INTER + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-        # each pair's row rounded to x's dtype first, as the tiled kernel stores it
-        part = (tl.sum(acc, axis=1) * weight).to(out_ptr.dtype.element_ty)
-        total += part.to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs_n * stride_oh, total.to(out_ptr.dtype.element_ty),
-             mask=n_ok)  # fmt: skip
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < INTER
+        a = tl.load(act_ptr + pair * INTER + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    # each pair's row rounded to x's dtype, as the tiled kernel stores it
+    weight = tl.load(weights_ptr + pair).to(tl.float32)
+    part = (tl.sum(acc, axis=1) * weight).to(part_ptr.dtype.element_ty)
+    tl.store(part_ptr + pair * H + offs_n, part, mask=n_ok)
+
+
+@triton.jit
+def _sum_slots_kernel(
+    part_ptr, out_ptr, H, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_sync(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # in slot order: deterministic
+        total += tl.load(part_ptr + (token * TOP_K + slot) * H + offs, mask=ok).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs * stride_oh, total.to(out_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
 
 
 def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict):
@@ -139,23 +155,30 @@ def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, con
     m = t * top_k
     weights = torch.empty(m, dtype=x.dtype, device=x.device)
     ids = torch.empty(m, dtype=torch.int32, device=x.device)
+    pdl = use_pdl(x)
     _route_kernel[(triton.cdiv(t, _ROUTE_SUB_T),)](
         router_logits, router_logits.stride(0), router_logits.stride(1), weights, ids, t, e,
         K=top_k, K_P=next_pow2(top_k), RENORMALIZE=renormalize, SUB_T=_ROUTE_SUB_T,
-        E_P=next_pow2(max(e, 2)),
+        E_P=next_pow2(max(e, 2)), USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
     act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _gated_kernel[(m, triton.cdiv(inter, block_n))](
         x, w13, act, ids, h, inter, x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, USE_PDL=pdl,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    part = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    _down_kernel[(m, triton.cdiv(h, block_n))](
+        act, w2, part, ids, weights, h, inter, w2.stride(0), w2.stride(1), w2.stride(2),
+        BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(max(inter, 16))),
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _down_kernel[(t, triton.cdiv(h, block_n))](
-        act, w2, out, ids, weights, h, inter, w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(max(inter, 16))),
-        num_warps=warps,
+    block = min(1024, next_pow2(h))
+    _sum_slots_kernel[(t, triton.cdiv(h, block))](
+        part, out, h, out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -14,7 +14,9 @@ from services.kernels.triton._launch import (
     check_device,
     is_interpreted,
     next_pow2,
+    pdl_sync,
     rows_per_program,
+    use_pdl,
 )
 
 
@@ -38,7 +40,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
@@ -106,6 +110,7 @@ def _launch(x, residual, weight, eps):
     block_n = next_pow2(n_cols)
     block_r = rows_per_program(interp, n_rows, block_n)
     num_warps = 4 if block_n <= 2048 else (8 if block_n <= 8192 else 16)
+    pdl = use_pdl(x)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         xv,
         rv,
@@ -125,7 +130,9 @@ def _launch(x, residual, weight, eps):
         HAS_RESIDUAL=residual is not None,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
+        USE_PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return out, res_out
 

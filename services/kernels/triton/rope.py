@@ -14,7 +14,9 @@ from services.kernels.triton._launch import (
     check_device,
     is_interpreted,
     next_pow2,
+    pdl_sync,
     rows_per_program,
+    use_pdl,
 )
 
 
@@ -81,7 +83,9 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tokens
     dims = tl.arange(0, BLOCK_HALF)
@@ -119,6 +123,7 @@ def rotary_embedding(
     block_hq, block_hk, block_half = next_pow2(num_q_heads), next_pow2(k.shape[1]), next_pow2(half)
     interp = is_interpreted(_rope_kernel)
     block_t = rows_per_program(interp, n_tokens, block_hq * block_half * 2)
+    pdl = use_pdl(q)
     _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
         positions,
         cos_sin_cache,
@@ -139,6 +144,8 @@ def rotary_embedding(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return q_out, k_out
