@@ -39,7 +39,11 @@ import torch
 
 from services.kernels import aiter_shims
 from services.kernels.fp8 import fp8_format_of
-from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
+from services.kernels.interface import (
+    AttentionMetadata,
+    kv_cache_is_fp8,
+    rope_and_store_kv_unfused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +190,16 @@ class AiterBackend:
 
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         self.fallback.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rope_and_store_kv(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale=None, v_scale=None, qk_norm=None,
+    ):  # fmt: skip
+        # AITER's norm and RoPE, the fallback's KV write: not fused
+        return rope_and_store_kv_unfused(
+            self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            k_scale, v_scale, qk_norm,
+        )  # fmt: skip
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
         if fp8 is not None:  # FP8 experts: pdserve's FP8 fused MoE, at its default tiles

@@ -103,6 +103,27 @@ class KernelBackend(Protocol):
         other cache dtype are a ValueError (kv_cache_is_fp8)."""
         ...
 
+    def rope_and_store_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """The attention layer's prologue, what `rope_and_store_kv_unfused` does with
+        the ops one by one: with qk_norm = (q weight, k weight, eps), rms_norm over each
+        head of q and of k first; then rotary_embedding of both, and store_kv_cache of
+        the rotated k and of v. Returns the rotated q. A backend may do it in fewer
+        kernels (one, in the triton backend)."""
+        ...
+
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         """Precompute per-step index tensors shared by all layers (optional)."""
         ...
@@ -143,6 +164,29 @@ class KernelBackend(Protocol):
         GEMM W8A8 like a block FP8 linear. No host synchronisation on CUDA (decode
         steps are captured in CUDA graphs)."""
         ...
+
+
+def rope_and_store_kv_unfused(
+    ops: KernelBackend,
+    positions,
+    q,
+    k,
+    v,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
+    qk_norm=None,
+) -> torch.Tensor:
+    """KernelBackend.rope_and_store_kv through `ops`' separate ops (its definition)."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
+    q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
+    ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
 
 
 def mixes_decode_rows(metadata: AttentionMetadata) -> bool:

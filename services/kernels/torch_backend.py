@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from services.kernels.fp8 import fp8_format_of, fp8_linear_reference, fused_moe_fp8_reference
-from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
+from services.kernels.interface import (
+    AttentionMetadata,
+    kv_cache_is_fp8,
+    rope_and_store_kv_unfused,
+)
 
 
 class TorchBackend:
@@ -75,6 +79,15 @@ class TorchBackend:
         v_cache.index_put_(
             (blocks, offsets), quantize_kv(v, v_cache.dtype, v_scale if fp8 else None)
         )
+
+    def rope_and_store_kv(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale=None, v_scale=None, qk_norm=None,
+    ):  # fmt: skip
+        return rope_and_store_kv_unfused(
+            self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            k_scale, v_scale, qk_norm,
+        )  # fmt: skip
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         # Pad the ragged batch to [num_seqs, max_len]: the gather indices and the mask

@@ -11,7 +11,11 @@ import torch
 
 from services.kernels import triton as tk
 from services.kernels.fp8 import fp8_format_of
-from services.kernels.interface import AttentionMetadata, mixes_decode_rows
+from services.kernels.interface import (
+    AttentionMetadata,
+    mixes_decode_rows,
+    rope_and_store_kv_unfused,
+)
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
 
 
@@ -57,6 +61,16 @@ class TritonBackend:
 
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rope_and_store_kv(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale=None, v_scale=None, qk_norm=None,
+    ):  # fmt: skip
+        args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
+                v_scale, qk_norm)  # fmt: skip
+        if qk_norm is not None and not qk_norm[0].dtype == qk_norm[1].dtype == q.dtype:
+            return rope_and_store_kv_unfused(self, *args)  # the fused norm rounds to q's dtype
+        return tk.rope_and_store_kv(*args)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         # The kernel reads the metadata as is; only make sure the index tensors are

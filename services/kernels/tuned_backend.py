@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from services.kernels.fp8 import fp8_format_of
-from services.kernels.interface import AttentionMetadata
+from services.kernels.interface import AttentionMetadata, rope_and_store_kv_unfused
 from services.kernels.shape_classes import (
     KernelShapes,
     all_keys,
@@ -93,6 +93,18 @@ class TunedBackend:
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         backend = self._by_tokens("store_kv_cache", k.shape[0])
         backend.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rope_and_store_kv(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale=None, v_scale=None, qk_norm=None,
+    ):  # fmt: skip
+        args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
+                v_scale, qk_norm)  # fmt: skip
+        ops = ("rotary_embedding", "store_kv_cache") + (("rms_norm",) if qk_norm else ())
+        chosen = {id(b): b for b in (self._by_tokens(op, q.shape[0]) for op in ops)}
+        if len(chosen) == 1:  # one backend won every op here: its own (fused) version
+            return next(iter(chosen.values())).rope_and_store_kv(*args)
+        return rope_and_store_kv_unfused(self, *args)  # each op on its own winner
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # built from a MoE model's shapes, the backend has a choice for every class

@@ -77,11 +77,14 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk_norm = None
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
-        self.ops.store_kv_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
+        # norm (Qwen3), RoPE and the KV write: one kernel where the backend fuses them
+        q = self.ops.rope_and_store_kv(
+            positions, q, k, v, cos_sin, kc, vc, meta.slot_mapping, ks, vs, qk_norm
+        )
         out = self.ops.paged_attention(q, kc, vc, meta, self.scale, ks, vs)
         return self.o_proj(out.reshape(-1, self.q_size))
 
