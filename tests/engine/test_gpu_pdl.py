@@ -13,11 +13,15 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.kernels.triton._launch import PDL_ENV, use_pdl
 from tests.engine.helpers import assert_all_blocks_free, save_random_model, save_random_moe_model
 from tests.engine.test_fp8_checkpoints import block_fp8  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.gpu
+
+# The kernel modules are imported inside the tests: importing them here, while pytest
+# collects, would define every @triton.jit kernel before tests/kernels/conftest.py sets
+# TRITON_INTERPRET on a CPU machine.
+PDL_ENV = "PDSERVE_TRITON_PDL"
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +40,11 @@ def _requests():
 
 
 def _run(model_dir, monkeypatch, pdl: bool, eager: bool, **engine_args):
+    from services.kernels.triton import _launch
+
+    assert _launch.PDL_ENV == PDL_ENV
     monkeypatch.setenv(PDL_ENV, "1" if pdl else "0")
-    assert use_pdl(torch.empty(1, device="cuda")) == pdl
+    assert _launch.use_pdl(torch.empty(1, device="cuda")) == pdl
     llm = LLM(
         str(model_dir),
         device="cuda",

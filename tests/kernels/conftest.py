@@ -5,6 +5,7 @@ this conftest sets it (CPU only) before the test modules import the backends."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -17,6 +18,13 @@ except ImportError:  # pragma: no cover - the worker extras are missing
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "services.kernels.triton" in sys.modules:
+        # A module collected earlier imported the kernels: they were compiled for a
+        # GPU and every kernel test would fail on the CPU. Say so once, up front.
+        raise pytest.UsageError(
+            "services.kernels.triton was imported before tests/kernels/conftest.py set "
+            "TRITON_INTERPRET=1; import the Triton kernels inside the test that needs them"
+        )
 
 
 @pytest.fixture(scope="session")
