@@ -13,7 +13,12 @@ import torch
 _CPU_SAMPLING_S = 0.025
 
 
-def time_us(fn: Callable[[], object], device: torch.device) -> float:
+def time_us(
+    fn: Callable[[], object], device: torch.device, give_up_us: float | None = None
+) -> float:
+    """give_up_us (CPU): a first call slower than this is returned as the time at once:
+    a clear loser needs no more samples (bf16 weight slabs on an AVX2 CPU took 3.5 s a
+    call at SmolLM2's decode64, and their samples most of a 36 s start-up)."""
     if device.type == "cuda":
         try:  # lazy: triton is optional and heavy (else CUDA events time it, below)
             from triton.testing import do_bench
@@ -30,7 +35,11 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / 20
+    t = time.perf_counter()
     fn()
+    first = time.perf_counter() - t
+    if give_up_us is not None and first * 1e6 > give_up_us:
+        return first * 1e6
     # sub-millisecond CPU calls vary by 10-20% run to run on a shared machine: three
     # samples picked the slower of two candidates 7% apart; sample for ~25 ms instead
     # (slow calls, e.g. Triton's interpreter in tests, still stop after three)
@@ -42,6 +51,26 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
         samples.append(time.perf_counter() - t)
         spent += samples[-1]
     return statistics.median(samples) * 1e6
+
+
+def alternating_us(calls: dict[str, Callable[[], object]], min_rounds: int = 5) -> dict[str, float]:
+    """CPU: the median time of each call, timed in turns (A B, then B A, ...) rather
+    than one after the other, so that a shared host's load drifting between two
+    back-to-back timings does not decide between two close candidates. At least
+    min_rounds rounds, more while a round is short (up to ~50 ms in all)."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for fn in calls.values():
+        fn()
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (spent < 2 * _CPU_SAMPLING_S and rounds < 50):
+        for name in order if rounds % 2 == 0 else reversed(order):
+            t = time.perf_counter()
+            calls[name]()
+            samples[name].append(time.perf_counter() - t)
+            spent += samples[name][-1]
+        rounds += 1
+    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
 
 
 def time_graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
