@@ -42,7 +42,7 @@ from services.kernels.shape_classes import (
     candidates_for,
     ops_for,
 )
-from services.kernels.timing import alternating_us, time_graph_us, time_us
+from services.kernels.timing import cpu_runoff, time_graph_us, time_us
 from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner_cases import run_case
 
@@ -51,11 +51,6 @@ log = logging.getLogger(__name__)
 TUNER_VERSION = 10  # 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-# On a CPU, the two fastest candidates within this fraction of each other are timed
-# again in turns (a runoff): on a shared 2-core host, timed one after the other, the
-# oneDNN linear measured 8% ahead of the weight slabs at SmolLM2's decode1 while it ran
-# the engine's steps 5-20% behind them.
-CPU_RUNOFF_MARGIN = 0.15
 # A CPU candidate whose first timed call takes this many times the best so far is
 # clocked at that call (it cannot win; its further samples only slow the start-up).
 CPU_GIVE_UP = 3.0
@@ -344,7 +339,9 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                 call = out = None  # the last candidate's case: not kept alive meanwhile
                 dtype = shapes.torch_dtype
                 case = functools.partial(run_case, op, cls, shapes, sizes, device, dtype)
-                _cpu_runoff(result, key, times, case, candidates, best_config)
+                finalists = cpu_runoff(times, case, candidates, best_config)
+                if finalists:
+                    result.runoffs[key] = finalists
             result.times_us[key] = times
             if rejected:
                 result.rejected[key] = rejected
@@ -357,42 +354,6 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
             runoff = f" (runoff of {result.runoffs[key]})" if key in result.runoffs else ""
             log.info("kernel tuner %s: %s %s%s", key, result.choices[key], times, runoff)
     return result
-
-
-def _cpu_runoff(result: TuningResult, key, times, case, candidates, configs) -> None:
-    """Times the two fastest candidates again, in turns, if they are within
-    CPU_RUNOFF_MARGIN of each other; their times become the runoff's. case(backend,
-    config): the op's inputs as run_case builds them, built once here and shared by the
-    two (a case can be a gigabyte of weights: building one per finalist cost a first
-    start 4 s on a 2-core EPYC)."""
-    ranked = sorted(times, key=times.get)
-    if len(ranked) < 2 or times[ranked[1]] > times[ranked[0]] * (1 + CPU_RUNOFF_MARGIN):
-        return
-    finalists = ranked[:2]
-    if any(c in configs for c in finalists):
-        return  # launch configs are GPU kernels' (on a CPU only under the interpreter)
-    switch = _Switch(candidates[finalists[0]])
-    call = case(switch, None)[0]
-
-    def turn(cand):
-        def run():
-            switch.current = candidates[cand]
-            return call()
-
-        return run
-
-    times.update(alternating_us({cand: turn(cand) for cand in finalists}))
-    result.runoffs[key] = finalists
-
-
-class _Switch:
-    """Forwards every op to `current`, so that one case runs on either finalist."""
-
-    def __init__(self, current):
-        self.current = current
-
-    def __getattr__(self, name):
-        return getattr(self.current, name)
 
 
 def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[dict]:
