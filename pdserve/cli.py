@@ -109,6 +109,13 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
             "--prefill-failure-policy", default="recompute", choices=["recompute", "fail"]
         )
         p.add_argument(
+            "--engine-process",
+            action="store_true",
+            help="run the engine (model, KV cache, scheduler, KV transfer engine) in a "
+            "process of its own, as vLLM's engine core: gRPC and response building then "
+            "no longer share its GIL (for hundreds of concurrent streams)",
+        )
+        p.add_argument(
             "--reserve-timeout",
             type=float,
             default=30.0,
@@ -173,6 +180,7 @@ def _cmd_worker(args) -> int:
                 prefill_timeout_s=args.prefill_timeout,
                 prefill_failure_policy=args.prefill_failure_policy,
                 reserve_timeout_s=args.reserve_timeout,
+                engine_process=args.engine_process,
             )
         ),
     )

@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so every call into it (add, abort, reserve, admit)
 runs on the engine thread between steps. Outputs go back to the event loop through
-one asyncio.Queue (or sink) per request."""
+one asyncio.Queue (or sink) per request (output_streams.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.output_streams import OutputStreams
 from services.engine import LLMEngine, RequestOutput
 from services.engine.kv_audit import KVAudit
 
@@ -26,13 +27,13 @@ log = logging.getLogger(__name__)
 AUDIT_INTERVAL_S = 1.0
 
 
-class EngineLoop:
+class EngineLoop(OutputStreams):
     def __init__(self, engine: LLMEngine):
+        super().__init__()
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.Queue()
         )
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._closed = False  # the engine thread has ended: it runs no more commands
         self._closing = threading.Lock()
@@ -83,50 +84,51 @@ class EngineLoop:
 
         return await self.call(run)
 
-    def open_stream(self, request_id: str, sink=None) -> asyncio.Queue:
-        """Where request_id's outputs and errors go, on the calling event loop: a new
-        queue, or `sink`, anything with put_nowait (the multiplexed stream turns each
-        output into its response right there, without waking a task per request)."""
-        q = asyncio.Queue() if sink is None else sink
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
+    # -- the engine's commands: what the services ask of it, by name --------------------
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    async def add_request(self, key: str, prompt_ids: list[int], params) -> None:
+        engine = self.engine
+        await self.call(lambda: engine.add_request(key, prompt_ids, params))
 
-    def publish(self, out: RequestOutput) -> None:
-        """Hand an output to its request's stream, from any thread. Outputs reach a
-        stream in the order they are published."""
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+    async def abort_request(self, key: str) -> bool:
+        """Abort() on a request: False if the engine does not hold it."""
+        engine = self.engine
+        return await self.call(lambda: engine.abort_request(key))
 
-    def publish_step(self, outputs: list[RequestOutput]) -> None:
-        """Hand one step's outputs to their streams with one wake-up per event loop (a
-        wake-up per output is a syscall and a loop iteration each, per stream per
-        token)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                loop, q = target
-                batches.setdefault(loop, []).append((q, out))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_deliver, items)
+    async def free_request(self, key: str) -> None:
+        """Whatever the request still holds is freed (a prefilled sequence's blocks are
+        released, full ones kept as prefix cache); runs even if the caller is cancelled
+        while it waits: the `finally` of every request's handler."""
+        engine = self.engine
+        await self.call_always(lambda: engine.release(key) or engine.abort_request(key))
 
-    def publish_error(self, request_id: str, error: BaseException) -> None:
-        """Wake a request's stream with an error (from any thread)."""
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, error)
+    async def reserve_remote_kv(self, key: str, prompt_ids: list[int], params):
+        engine = self.engine
+        return await self.call(lambda: engine.reserve_remote_kv(key, prompt_ids, params))
 
-    def fail_streams(self, error: BaseException) -> None:
-        """Wake every open stream with `error` (from any thread): the engine thread
-        cannot be relied on to (e.g. stuck in a collective with a dead rank)."""
-        for request_id in list(self._streams):
-            self.publish_error(request_id, error)
+    async def admit_remote(self, key: str, first_token_id: int, first_logprob, prompt_logprobs):
+        """The prompt's KV arrived: the request decodes from its first token, whose
+        output reaches the stream ahead of any later step's."""
+        engine = self.engine
+        return await self.call_and_publish(
+            lambda: engine.admit_remote(key, first_token_id, first_logprob, prompt_logprobs)
+        )
+
+    async def prefill_locally(self, key: str) -> None:
+        engine = self.engine
+        await self.call(lambda: engine.prefill_locally(key))
+
+    async def kv_audit(self) -> KVAudit:
+        return await self.call(self.engine.kv_audit)
+
+    async def load(self) -> tuple[dict, KVAudit]:
+        """Counters and KV audit for GetLoad: while the engine steps, the engine
+        thread's latest audit (at most ~1 s old; waiting for the step in progress made
+        probes time out on a starved host); idle, exact and answered at once."""
+        stats = self.engine.stats()
+        if self.engine.has_unfinished_requests():
+            return stats, self.last_audit
+        return stats, await self.kv_audit()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -177,8 +179,3 @@ class EngineLoop:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             self.publish_error(request_id, error)
-
-
-def _deliver(items: list) -> None:
-    for q, out in items:
-        q.put_nowait(out)

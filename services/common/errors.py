@@ -23,3 +23,8 @@ class PeerFailedError(Exception):
 
 class EngineFailedError(Exception):
     """The engine's step failed under this request (a bug or a device error)."""
+
+
+class WorkerFailed(RuntimeError):
+    """The worker cannot serve any more (a tensor-parallel rank died, its engine
+    process ended): it exits non-zero after leaving the pool."""

@@ -94,10 +94,21 @@ class WorkerMetrics:
             buckets=PAUSE_BUCKETS,
             registry=self.registry,
         )
+        self.engine_gc_pauses = Histogram(
+            "pdserve_engine_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector in the worker's engine process "
+            "(--engine-process), by generation: each one stops the engine's steps",
+            ["generation"],
+            buckets=PAUSE_BUCKETS,
+            registry=self.registry,
+        )
         self.num_prefill_fallbacks = 0
 
     def observe_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pauses.labels(str(generation)).observe(seconds)
+
+    def observe_engine_gc_pause(self, generation: int, seconds: float) -> None:
+        self.engine_gc_pauses.labels(str(generation)).observe(seconds)
 
     def count_fallback(self, policy: str) -> None:
         self.prefill_fallbacks.labels(policy).inc()

@@ -4,7 +4,6 @@ model is loaded), engine + KV connector start-up, graceful stop on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -15,28 +14,24 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvtransfer import KVConnector, create_connector
+from kvtransfer import KVConnector
 from pdpb import tls
 from pdpb.heap import GCPauses, freeze_startup_heap, report_gc_pauses
 from pdpb.v1 import common_pb2
+from services.common.engine_client import EngineCoreClient, request_checks_for
 from services.common.engine_loop import EngineLoop
+from services.common.engine_setup import load_engine
+from services.common.errors import WorkerFailed
 from services.common.interceptor import WorkerInterceptor
-from services.common.kv import memory_location, register_kv_cache
 from services.common.metrics import WorkerMetrics
-from services.common.settings import TRANSFER_WRITE_MODES, WorkerSettings
-from services.common.worker_kv import WorkerKV
+from services.common.settings import WorkerSettings
 from services.engine import EngineConfig, LLMEngine
 from services.engine.startup import StartupPhases
-from services.engine.warmup import WarmupReport, warm_up
+from services.engine.warmup import WarmupReport
 
 log = logging.getLogger(__name__)
 # how long cancelled handlers get at shutdown to abort their requests on the engine
 _HANDLER_CLEANUP_S = 10.0
-
-
-class WorkerFailed(RuntimeError):
-    """The worker cannot serve any more (a tensor-parallel rank died): it exits
-    non-zero after leaving the pool."""
 
 
 class WorkerContext:
@@ -61,65 +56,63 @@ class WorkerContext:
 
     def load(self) -> None:
         """Blocking: load the model, warm it up and register the KV cache with the
-        transfer engine (every tensor-parallel rank its own). Each phase logs its
-        duration."""
-        engine = LLMEngine(self.engine_config, self.phases)
-        try:
-            self._load(engine)
-        except BaseException:
-            engine.close()
-            raise
-
-    def _load(self, engine: LLMEngine) -> None:
-        s = self.settings
-        if s.skip_warmup:
-            log.warning(
-                "warm-up skipped (--skip-warmup): the first requests of each batch shape "
-                "will compile kernels on the serving path"
-            )
-        else:
-            with self.phases.phase("warmup"):
-                self.warmup = warm_up(engine)
-        kv, spec = engine.runner.kv_cache, engine.runner.kv_spec
-        with self.phases.phase("kv_transfer_registration"):
-            kwargs = dict(
-                hostname=s.transfer_hostname,
-                protocol=s.transfer_protocol,
-                metadata=s.transfer_metadata,
-                device_name=s.transfer_device,
-                direct_writes=TRANSFER_WRITE_MODES[s.transfer_write_mode],
-                faults=s.transfer_faults,
-            )
-            local = create_connector(
-                s.transfer_backend, memory_location=memory_location(kv), **kwargs
-            )
-            register_kv_cache(local, kv, spec)
-            ranks = engine.runner.ranks
-            make = functools.partial(create_connector, s.transfer_backend)
-            connector = WorkerKV(local, ranks, make, kwargs)
-        log.info("KV transfer: %r", connector)
-        if ranks is not None:  # this process freezes its own heap once ready (serve())
-            frozen = ranks.freeze_heap()
-            log.info("tensor-parallel ranks froze %s startup objects out of GC", frozen)
+        transfer engine (every tensor-parallel rank its own), here or in the engine's
+        own process (--engine-process). Each phase logs its duration."""
+        if self.settings.engine_process:
+            self._start_engine_process()
+            return
+        engine, connector, self.warmup = load_engine(self.engine_config, self.settings, self.phases)
         self.engine, self.connector = engine, connector
         self.loop = EngineLoop(engine)
         self.loop.start()
-        if ranks is not None:
-            ranks.watch(self._rank_died)
+        if engine.runner.ranks is not None:
+            engine.runner.ranks.watch(self._rank_died)
+
+    def _start_engine_process(self) -> None:
+        client = EngineCoreClient(
+            self.engine_config,
+            self.settings,
+            self._engine_died,
+            self.metrics.observe_engine_gc_pause,
+        )
+        ready = client.start()
+        self.phases.durations.update(ready["phases"])
+        self.warmup = ready["warmup"]
+        log.info(
+            "the engine process froze %d startup objects out of GC", ready["gc_frozen_objects"]
+        )
+        self.engine = request_checks_for(self.engine_config, ready["max_model_len"])
+        self.connector = client.kv
+        self.loop = client
+
+    async def add_kv_peer(self, info, rank_agents) -> None:
+        """Check a peer worker against our KV layout and remember it (KVLayoutMismatch
+        naming what disagrees), where the transfer engine lives."""
+        if self.settings.engine_process:
+            await self.loop.add_kv_peer(info, rank_agents)
+        else:
+            self.connector.add_peer(info, rank_agents)
+
+    def _engine_died(self, reason: str) -> None:
+        """From the engine process's reader thread: it is gone (or a rank of it)."""
+        self.failure = reason
+        log.error("%s: the worker stops serving", reason)
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self.failed.set)
 
     def _rank_died(self, rank: int, exitcode) -> None:
         """From the ranks' watcher thread: fail every request now (the engine thread
         may be stuck in a collective) and have serve() take the worker down."""
-        self.failure = f"tensor-parallel rank {rank} died (exit code {exitcode})"
-        log.error("%s: the worker stops serving", self.failure)
+        reason = f"tensor-parallel rank {rank} died (exit code {exitcode})"
         if self.loop is not None:
-            self.loop.fail_streams(WorkerFailed(self.failure))
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self.failed.set)
+            self.loop.fail_streams(WorkerFailed(reason))
+        self._engine_died(reason)
 
     def close(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+        if self.settings.engine_process:
+            return  # the engine process closed its engine and transfer engine as it ended
         if self.connector is not None:
             self.connector.close()
         if self.engine is not None:
@@ -245,14 +238,8 @@ def _announce(
 
 
 async def load_report(ctx: WorkerContext, role: int) -> common_pb2.LoadReport:
-    stats = ctx.engine.stats()
-    if ctx.engine.has_unfinished_requests():
-        # busy: the engine thread's latest audit (at most ~1 s old); waiting for the
-        # step in progress made probes time out on a starved host
-        audit = ctx.loop.last_audit
-    else:  # idle: exact, and answered at once between commands
-        audit = await ctx.loop.call(ctx.engine.kv_audit)
-    stats.update(audit.as_dict())
+    stats, audit = await ctx.loop.load()
+    stats = {**stats, **audit.as_dict()}
     ctx.metrics.update_load(stats)
     kv = ctx.connector.stats()
     return common_pb2.LoadReport(

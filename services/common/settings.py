@@ -51,6 +51,9 @@ class WorkerSettings:
     # start-up: skip the warm-up (services/engine/warmup.py) before SERVING; the first
     # request of each batch shape then compiles kernels on the serving path (logged)
     skip_warmup: bool = False
+    # the engine (model, KV cache, scheduler, KV transfer engine) in a process of its own
+    # (engine_core.py), so the worker's gRPC and response building do not share its GIL
+    engine_process: bool = False
     # Fault injection for tests only (env PDSERVE_FAULT_PAUSE_MID_TRANSFER_S): the prefill
     # worker writes half of a request's blocks, pauses this long, then writes the rest.
     fault_pause_mid_transfer_s: float = 0.0

@@ -72,7 +72,7 @@ class PrefillPeers:
                     raise _peer_error(address, "handshake", e) from None
                 peer = convert.agent_from_pb(resp.prefill_agent)
                 peer_ranks = [convert.agent_from_pb(a) for a in resp.prefill_rank_agents]
-                kv.add_peer(peer, peer_ranks)  # raises KVLayoutMismatch if incompatible
+                await self.ctx.add_kv_peer(peer, peer_ranks)  # KVLayoutMismatch if not
                 self._sessions[address] = me.session_id
         return self._sessions[address]
 
@@ -102,7 +102,7 @@ class RemotePrefill:
         """Fill request `key`'s KV from the prefill worker at `address` and admit it for
         decoding (or prefill it here). Its first output is published on the request's
         stream. Raises PeerFailedError under policy `fail`."""
-        ctx, engine, loop = self.ctx, self.ctx.engine, self.ctx.loop
+        ctx = self.ctx
         settings = ctx.settings
         reservation = await self._reserve(key, prompt_ids, params)
         t0 = time.perf_counter()
@@ -150,9 +150,7 @@ class RemotePrefill:
         if params.prompt_logprobs is not None:
             n = params.prompt_logprobs
             prompt_lps = [convert.logprob_from_pb(lp, n) for lp in resp.prompt_logprobs]
-        await loop.call_and_publish(
-            lambda: engine.admit_remote(key, resp.first_token_id, first_lp, prompt_lps)
-        )
+        await ctx.loop.admit_remote(key, resp.first_token_id, first_lp, prompt_lps)
         return timings
 
     async def _fall_back(self, key: str, address: str, error: Exception) -> PrefillTimings:
@@ -173,16 +171,14 @@ class RemotePrefill:
         await self._abort_remote(address, key)
         if policy == "fail":
             raise PeerFailedError(f"prefill worker {address} failed: {detail}")
-        engine = self.ctx.engine
-        await self.ctx.loop.call(lambda: engine.prefill_locally(key))
+        await self.ctx.loop.prefill_locally(key)
         return PrefillTimings(prefill_fallback=True)
 
     async def _reserve(self, key, prompt_ids, params):
-        engine, loop = self.ctx.engine, self.ctx.loop
         deadline = time.monotonic() + self.ctx.settings.reserve_timeout_s
         while True:
             try:
-                return await loop.call(lambda: engine.reserve_remote_kv(key, prompt_ids, params))
+                return await self.ctx.loop.reserve_remote_kv(key, prompt_ids, params)
             except NoFreeBlocksError as e:
                 if time.monotonic() > deadline:
                     raise NoFreeBlocksError(f"no KV blocks free for this request: {e}") from None

@@ -91,9 +91,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Abort(self, request, context):
         key = self.active.key_of(request.request_id)
-        found = key is not None and await self.ctx.loop.call(
-            lambda: self.ctx.engine.abort_request(key)
-        )
+        found = key is not None and await self.ctx.loop.abort_request(key)
         if found:
             self.ctx.loop.publish_error(key, asyncio.CancelledError("aborted by Abort()"))
         return common_pb2.AbortResponse(found=found)
@@ -153,8 +151,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request.prefill_address,
                 trace_id=request.request_id,
             )
-        engine = self.ctx.engine
-        await self.ctx.loop.call(lambda: engine.add_request(key, prompt_ids, params))
+        await self.ctx.loop.add_request(key, prompt_ids, params)
         return PrefillTimings()
 
     async def _end(self, rid: str, key: str) -> None:
@@ -162,7 +159,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         loop = self.ctx.loop
         loop.close_stream(key)
         self.active.release(rid, key)
-        await loop.call_always(lambda: self.ctx.engine.abort_request(key))
+        await loop.free_request(key)
 
     def _prompt_ids(self, request) -> list[int]:
         engine = self.ctx.engine

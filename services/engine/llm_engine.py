@@ -25,6 +25,7 @@ from services.engine.kv_audit import KVAudit, audit_kv
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.pd_roles import DisaggregatedRoles
+from services.engine.request_checks import RequestChecks
 from services.engine.sampler import (
     SamplerOutput,
     SamplingRequest,
@@ -96,6 +97,10 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         # requests whose Rust DecodeStream erred and that went on in Python (detokenizer.py)
         self.num_detokenizer_fallbacks = 0
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        self.checks = RequestChecks(
+            self.tokenizer, self.hf_config.vocab_size, self.grammars, config.scheduling_policy
+        )
+        self.checks.max_model_len = self.max_model_len
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         # async scheduling: prefill workers never decode, so they never pipeline
         self._async = config.async_scheduling_enabled and config.role != "prefill"
@@ -137,62 +142,16 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
     # -- requests -----------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.hf_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"token ids must be integers in [0, {vocab})")
-        return ids
+        return self.checks.tokenize(prompt)
 
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The last truncate_prompt_tokens prompt tokens (-1: the last max_model_len)."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        keep = self.max_model_len if keep == -1 else keep
-        return prompt_token_ids[-keep:]
+        return self.checks.truncate(prompt_token_ids, params)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, *, fit_max_tokens: bool = False
     ) -> None:
-        """Raises ValueError for a request this engine cannot run. fit_max_tokens: also
-        refuse a prompt + max_tokens beyond max_model_len (the servers do, as vLLM's
-        OpenAI server; offline generation stops at max_model_len instead)."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if params.priority != 0 and self.config.scheduling_policy != "priority":
-            # vLLM's answer under its default policy: a priority would be a promise not kept
-            raise ValueError(
-                "priority scheduling is not enabled: this worker schedules first come, "
-                "first served (--scheduling-policy fcfs); 'priority' must be 0"
-            )
-        vocab = self.hf_config.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this model has none")
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)  # cached; ValueError if bad
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                "(a prompt must leave room for at least one generated token)"
-            )
-        if fit_max_tokens and params.max_tokens is not None:
-            if n + params.max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; "
-                    f"the prompt has {n} and max_tokens is {params.max_tokens}"
-                )
+        """request_checks.py: ValueError for a request this engine cannot run."""
+        self.checks.validate(prompt_token_ids, params, fit_max_tokens=fit_max_tokens)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
@@ -395,7 +354,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         )
 
     def decode_token(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+        return self.checks.decode_token(token_id)
 
     # -- sizing -------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         stream = loop.open_stream(rid)
         started = time.perf_counter()
         try:
-            await loop.call(lambda: engine.add_request(rid, prompt, params))
+            await loop.add_request(rid, prompt, params)
             out = await stream.get()
             if isinstance(out, asyncio.CancelledError):
                 raise RequestAbortedError(f"prefill of {rid} was aborted")
@@ -181,7 +181,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return first, first_lp, out.prompt_logprobs, stats, prefill_s
         finally:
             loop.close_stream(rid)
-            await loop.call_always(lambda: engine.release(rid) or engine.abort_request(rid))
+            await loop.free_request(rid)
 
     async def _transfer(self, peer: KVAgentInfo, src: list[int], dst: list[int]):
         metrics = self.ctx.metrics

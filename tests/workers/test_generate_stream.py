@@ -1,7 +1,7 @@
 """GenerateStream: many requests over one gRPC stream (the router's way to a decode
 worker). Real prefill and decode processes over Mooncake TCP; every answer equals the
 colocated engine's, and cancellations, errors, deadlines and a vanished caller leave
-no block held."""
+no block held, with the decode worker's engine on a thread or in its own process."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from tests.workers.test_disaggregated import expected, prompt_set
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def pair(model):
-    with worker_pair(model) as workers:
+@pytest.fixture(scope="module", params=["engine thread", "engine process"])
+def pair(model, request):
+    # the decode worker's engine on a thread of its own, or in its own process
+    # (--engine-process): the same answers, cancellations and frees either way
+    decode_args = ("--engine-process",) if request.param == "engine process" else ()
+    with worker_pair(model, decode_args=decode_args) as workers:
         yield workers
 
 

@@ -1,0 +1,106 @@
+"""A step's outputs as what is new in them, to cross a process boundary.
+
+A RequestOutput holds the request's whole output so far (its token list, its text), so
+sending it every step would copy O(output) per request per step. The engine process
+sends what is new since the request's previous output instead (DeltaEncoder), and the
+receiving process rebuilds RequestOutputs from its own copy of each request's tokens,
+text and logprobs (DeltaDecoder), so the code that reads outputs is the same on both
+sides of the boundary."""
+
+from __future__ import annotations
+
+from services.engine.outputs import CompletionOutput, RequestOutput
+
+# one output's news, a plain tuple (cheap to pickle):
+# (request_id, new token ids, new text, new logprobs or None, finished, finish_reason,
+#  stop_reason, num_cached_tokens, prompt_token_ids and prompt_logprobs (first only))
+Delta = tuple
+
+
+class DeltaEncoder:
+    """The sending side: per request, how many tokens and characters went out."""
+
+    def __init__(self):
+        self._sent: dict[str, list[int]] = {}  # request id -> [tokens, chars]
+
+    def encode(self, out: RequestOutput) -> Delta:
+        rid = out.request_id
+        sent = self._sent.get(rid)
+        first = sent is None
+        if first:
+            sent = self._sent[rid] = [0, 0]
+        completion = out.output
+        tokens, chars = sent
+        new_ids = completion.token_ids_from(tokens)
+        text = completion.text
+        logprobs = completion.logprobs
+        sent[0] = completion.num_token_ids
+        sent[1] = len(text)
+        if out.finished:
+            del self._sent[rid]
+        return (
+            rid,
+            new_ids,
+            text[chars:],
+            logprobs[tokens:] if logprobs is not None else None,
+            out.finished,
+            completion.finish_reason,
+            completion.stop_reason,
+            out.num_cached_tokens,
+            (out.prompt_token_ids, out.prompt_logprobs) if first else None,
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a finished output (aborted, freed)."""
+        self._sent.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
+class _Copy:
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_token_ids", "prompt_logprobs")
+
+    def __init__(self, prompt_token_ids, prompt_logprobs, with_logprobs: bool):
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs = [] if with_logprobs else None
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+
+
+class DeltaDecoder:
+    """The receiving side: each request's output so far, rebuilt from its deltas."""
+
+    def __init__(self):
+        self._copies: dict[str, _Copy] = {}
+
+    def decode(self, delta: Delta) -> RequestOutput:
+        rid, new_ids, new_text, new_lps, finished, reason, stop, cached, first = delta
+        copy = self._copies.get(rid)
+        if copy is None or first is not None:
+            prompt_ids, prompt_lps = first if first is not None else ([], None)
+            copy = self._copies[rid] = _Copy(prompt_ids, prompt_lps, new_lps is not None)
+        copy.token_ids += new_ids
+        copy.text += new_text
+        if new_lps is not None:
+            copy.logprobs += new_lps
+        if finished:
+            self._copies.pop(rid, None)  # (forget() may have run meanwhile, on another thread)
+        completion = CompletionOutput(
+            index=0,
+            text=copy.text,
+            source=copy.token_ids,
+            logprobs=copy.logprobs,
+            finish_reason=reason,
+            stop_reason=stop,
+        )
+        return RequestOutput(
+            rid, copy.prompt_token_ids, [completion], finished, cached, copy.prompt_logprobs
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._copies.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._copies)
