@@ -301,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-tp 2 --decode-tp 2 --prefill-device cuda:0 --decode-device cuda:2)",
     )
     up.add_argument(
+        "--decode-engine-process",
+        action="store_true",
+        help="decode workers run their engine in a process of their own (the decode "
+        "worker's --engine-process)",
+    )
+    up.add_argument(
         "--reasoning-parser",
         default=None,
         help="the router's --reasoning-parser (reasoning models' <think> output as "

@@ -331,6 +331,8 @@ def run_up(args, worker_args: list[str]) -> int:
         def start(port: int) -> Child:
             cmd = [*PDSERVE, role, "--model", args.model, "--device", device]
             cmd += ["--port", str(port), "--tensor-parallel-size", str(tp[role])]
+            if role == "decode" and getattr(args, "decode_engine_process", False):
+                cmd.append("--engine-process")
             return Child(name, [*cmd, *worker_args], env)
 
         return start

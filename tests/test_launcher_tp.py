@@ -1,6 +1,8 @@
 """Tensor parallelism, acceptance 4: `pdserve up` with a TP=3 prefill worker and a TP=1
 decode worker on CPU (real processes: router, workers, rank processes) answers an
-OpenAI completion exactly as the colocated engine does, and stops every process.
+OpenAI completion exactly as the colocated engine does, and stops every process. The
+decode worker runs its engine in a process of its own (--decode-engine-process), which
+stops with it too.
 The default model (SmolLM2-135M: 9 heads, 3 KV heads) splits over 3 ranks, not 2."""
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def test_up_with_a_tensor_parallel_prefill_worker(default_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pdserve", "up", "--model", str(default_model_dir)]
-    cmd += ["--port", str(port), "--prefill-tp", "3", "--decode-tp", "1"]
+    cmd += ["--port", str(port), "--prefill-tp", "3", "--decode-tp", "1", "--decode-engine-process"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
     )
@@ -56,7 +58,10 @@ def test_up_with_a_tensor_parallel_prefill_worker(default_model_dir):
         workers = _children(proc.pid)
         # rank processes: the workers' multiprocessing children
         ranks = [r for w in workers for r in _children(w) if "spawn_main" in _cmdline(r)]
-        assert len(ranks) >= 2, "the prefill worker has no rank processes"
+        # (the decode worker's one child is its engine process)
+        assert len(ranks) >= 3, "the prefill worker has no rank processes"
+        decode_pid = next(w for w in workers if " decode " in _cmdline(w))
+        assert [r for r in _children(decode_pid) if "spawn_main" in _cmdline(r)]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         [model] = [m.id for m in client.models.list().data]
         prompt = "The capital of France is"
@@ -74,7 +79,7 @@ def test_up_with_a_tensor_parallel_prefill_worker(default_model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines[-30:])
-    assert not [r for r in ranks if _alive(r)], "a rank outlived pdserve up"
+    assert not [r for r in ranks if _alive(r)], "a rank or engine process outlived pdserve up"
 
 
 def _cmdline(pid: int) -> str:
