@@ -30,6 +30,7 @@ from services.models.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 10.0
+LOAD_WAIT_S = 0.25
 
 
 class EngineCoreClient(OutputStreams):
@@ -134,10 +135,19 @@ class EngineCoreClient(OutputStreams):
         return await self._call("kv_audit")
 
     async def load(self) -> tuple[dict, KVAudit]:
-        """Counters and KV audit for GetLoad, answered between two steps (the engine
-        process does nothing else: at most one step's wait); the audit is the latest
-        (at most ~1 s old) while the engine is busy."""
-        return await self._call("load")
+        """Counters and KV audit for GetLoad, asked between two steps; while a long step
+        holds the question back past LOAD_WAIT_S, the engine process's latest status
+        (at most ~1 s old) instead: a probe that waits behind a step on a starved host
+        times out, and the router takes a live worker out of its pool."""
+        call = asyncio.ensure_future(self._call("load"))
+        status = self._status
+        if status is None:  # nothing reported yet
+            return await call
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), LOAD_WAIT_S)
+        except TimeoutError:
+            call.add_done_callback(_ignore_result)
+            return status["stats"], status["audit"]
 
     async def add_kv_peer(self, info: KVAgentInfo, rank_agents: list[KVAgentInfo]) -> None:
         await self._call("add_kv_peer", info.to_dict(), [a.to_dict() for a in rank_agents])
@@ -215,6 +225,11 @@ class EngineCoreClient(OutputStreams):
         elif kind == "dead":
             return message[1]
         return None
+
+
+def _ignore_result(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a late failure is not "never retrieved"
 
 
 def _settle(future: asyncio.Future, ok: bool, value) -> None:

@@ -6,10 +6,11 @@ side instead of one after the other.
 
 One duplex pipe joins them. The worker sends commands by name (COMMANDS); this
 process runs them between steps, in the order sent, and answers each. It sends each
-step's outputs as one message of deltas (output_deltas.py), and a status (counters) every
-AUDIT_INTERVAL_S, when it also audits the KV blocks. Replies and outputs share the pipe, so an output sent
-before a reply reaches the worker before it (admit_remote's first token before the
-call returns, as EngineLoop.call_and_publish). The worker's end is engine_client.py."""
+step's outputs as one message of deltas (output_deltas.py), and a status (counters, a
+KV audit) every AUDIT_INTERVAL_S and whenever it falls idle. Replies and outputs share
+the pipe, so an output sent before a reply reaches the worker before it (admit_remote's
+first token before the call returns, as EngineLoop.call_and_publish). The worker's end
+is engine_client.py."""
 
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ class EngineCore:
         self.deltas = DeltaEncoder()
         self._send_lock = threading.Lock()
         self._ended = False
-        self._reported_at = float("-inf")
+        self._audited_at = float("-inf")
         self._last_audit = None
+        self._changed = True  # a step or a command ran since the last status
         self.gc_pauses = GCPauses()
         self._helpers = concurrent.futures.ThreadPoolExecutor(2, "engine-core-helper")
         self._handlers = {name: getattr(self, "_" + name) for name in COMMANDS}
@@ -117,12 +119,12 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while not self._ended:
+            self._report()  # what the last step or commands changed
             try:
                 self._take_commands(block=not engine.has_unfinished_requests())
             except (EOFError, OSError):
                 log.warning("the worker's end of the pipe closed: the engine process ends")
                 return
-            self._report_now_and_then()
             if self._ended or not engine.has_unfinished_requests():
                 continue
             try:
@@ -133,12 +135,14 @@ class EngineCore:
                 continue
             if outputs:
                 self.send(("out", [self.deltas.encode(out) for out in outputs]))
+            self._changed = True
         self._helpers.shutdown(wait=False, cancel_futures=True)
 
     def _take_commands(self, block: bool) -> None:
         conn = self.conn
         if not conn.poll(0.5 if block else 0):
             return
+        self._changed = True
         while True:
             self._command(*conn.recv())
             if self._ended or not conn.poll(0):
@@ -165,15 +169,22 @@ class EngineCore:
         if call_id >= 0:  # a stop is not answered
             self.send(("reply", call_id, ok, value))
 
-    def _report_now_and_then(self) -> None:
+    def _report(self) -> None:
+        """A status (counters, KV audit, collector pauses) every AUDIT_INTERVAL_S and
+        whenever the engine falls idle: what GetLoad answers with while a step holds the
+        "load" command back (the audit walks every block: not for every probe)."""
         now = time.monotonic()
-        if now - self._reported_at < AUDIT_INTERVAL_S:
+        busy = self.engine.has_unfinished_requests()
+        fell_idle = self._changed and not busy
+        if not fell_idle and now - self._audited_at < AUDIT_INTERVAL_S:
             return
-        self._reported_at = now
+        self._changed = False
         try:
             self._last_audit = self.engine.kv_audit()
+            self._audited_at = now
             status = dict(
                 stats=self.engine.stats(),
+                audit=self._last_audit,
                 kv=self.connector.stats(),
                 gc_pauses=self.gc_pauses.drain(),
             )
@@ -226,8 +237,7 @@ class EngineCore:
         return self.engine.kv_audit()
 
     def _load(self):
-        """Counters now; the KV audit now when idle, else the latest (it walks every
-        block: not for every probe while the engine is busy)."""
+        """Counters now; a KV audit now when idle, else the latest (at most ~1 s old)."""
         engine = self.engine
         if engine.has_unfinished_requests() and self._last_audit is not None:
             return engine.stats(), self._last_audit
