@@ -131,9 +131,6 @@ class EngineCoreClient(OutputStreams):
     async def prefill_locally(self, key: str) -> None:
         await self._call("prefill_locally", key)
 
-    async def kv_audit(self) -> KVAudit:
-        return await self._call("kv_audit")
-
     async def load(self) -> tuple[dict, KVAudit]:
         """Counters and KV audit for GetLoad, asked between two steps; while a long step
         holds the question back past LOAD_WAIT_S, the engine process's latest status
@@ -267,8 +264,6 @@ def request_checks_for(engine_config: EngineConfig, max_model_len: int) -> Reque
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     grammars = Grammars(tokenizer, hf_config.vocab_size, eos_token_ids(path, tokenizer, hf_config))
-    checks = RequestChecks(
-        tokenizer, hf_config.vocab_size, grammars, engine_config.scheduling_policy
+    return RequestChecks(
+        tokenizer, hf_config.vocab_size, grammars, engine_config.scheduling_policy, max_model_len
     )
-    checks.max_model_len = max_model_len
-    return checks

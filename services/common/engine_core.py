@@ -41,7 +41,6 @@ COMMANDS = (
     "reserve_remote_kv",
     "admit_remote",
     "prefill_locally",
-    "kv_audit",
     "load",
     "add_kv_peer",
     "compile_grammar",
@@ -232,9 +231,6 @@ class EngineCore:
 
     def _prefill_locally(self, key) -> None:
         self.engine.prefill_locally(key)
-
-    def _kv_audit(self):
-        return self.engine.kv_audit()
 
     def _load(self):
         """Counters now; a KV audit now when idle, else the latest (at most ~1 s old)."""

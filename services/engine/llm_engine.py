@@ -98,9 +98,12 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         self.num_detokenizer_fallbacks = 0
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.checks = RequestChecks(
-            self.tokenizer, self.hf_config.vocab_size, self.grammars, config.scheduling_policy
+            self.tokenizer,
+            self.hf_config.vocab_size,
+            self.grammars,
+            config.scheduling_policy,
+            self.max_model_len,
         )
-        self.checks.max_model_len = self.max_model_len
         self._generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         # async scheduling: prefill workers never decode, so they never pipeline
         self._async = config.async_scheduling_enabled and config.role != "prefill"

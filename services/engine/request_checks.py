@@ -13,12 +13,19 @@ from services.engine.structured import Grammars
 
 
 class RequestChecks:
-    def __init__(self, tokenizer, vocab_size: int, grammars: Grammars, scheduling_policy: str):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        grammars: Grammars,
+        scheduling_policy: str,
+        max_model_len: int,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.scheduling_policy = scheduling_policy
-        self.max_model_len = 0  # set once the KV cache is sized (the engine's)
+        self.max_model_len = max_model_len  # the engine's, once its KV cache is sized
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
