@@ -331,8 +331,9 @@ def run_up(args, worker_args: list[str]) -> int:
         def start(port: int) -> Child:
             cmd = [*PDSERVE, role, "--model", args.model, "--device", device]
             cmd += ["--port", str(port), "--tensor-parallel-size", str(tp[role])]
-            if role == "decode" and getattr(args, "decode_engine_process", False):
-                cmd.append("--engine-process")
+            engine_process = getattr(args, "decode_engine_process", None)
+            if role == "decode" and engine_process is not None:
+                cmd.append("--engine-process" if engine_process else "--no-engine-process")
             return Child(name, [*cmd, *worker_args], env)
 
         return start

@@ -17,3 +17,19 @@ def test_cuda_graph_capture_size_flag():
     assert _config("--max-cudagraph-capture-size", "512").cuda_graph_max_batch == 512
     with pytest.raises(ValueError, match="--max-cudagraph-capture-size"):
         _config("--max-cudagraph-capture-size", "0")
+
+
+def _engine_process(*flags) -> bool:
+    from pdserve.cli import _engine_process
+
+    return _engine_process(build_parser().parse_args(["decode", "--model", "m", *flags]))
+
+
+def test_engine_process_default_follows_the_device():
+    # on a GPU the engine runs in its own process unless told not to; on CPU on a thread
+    assert _engine_process("--device", "cuda:0") is True
+    assert _engine_process() is False
+    assert _engine_process("--device", "cuda:1", "--no-engine-process") is False
+    assert _engine_process("--engine-process") is True
+    with pytest.raises(SystemExit):  # a prefill worker has no such flag
+        build_parser().parse_args(["prefill", "--model", "m", "--engine-process"])

@@ -11,18 +11,21 @@ down, as a dead rank does in-process."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
 import threading
+from collections.abc import Callable
 
 from kvtransfer import KVAgentInfo
 from services.common.engine_core import run as run_engine_core
 from services.common.errors import WorkerFailed
 from services.common.output_streams import OutputStreams
 from services.engine import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_audit import KVAudit
-from services.engine.output_deltas import DeltaDecoder
+from services.engine.output_deltas import DeltaDecoder, engine_makes_text
 from services.engine.request_checks import RequestChecks
 from services.engine.structured import Grammars
 from services.models.loader import load_hf_config, resolve_model_path
@@ -49,15 +52,17 @@ class EngineCoreClient(OutputStreams):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
         self._decoder = DeltaDecoder()
+        self._tokenizer = None  # detokenizes requests without stop strings (use_tokenizer)
+        self.num_detokenizer_fallbacks = 0
         self._status: dict | None = None  # the engine process's latest status report
         self._stopping = False
         self.kv: EngineProcessKV | None = None
 
     # -- life -----------------------------------------------------------------------
 
-    def start(self) -> dict:
-        """Blocking: spawn the engine process and wait until its engine is ready;
-        returns what it reported (phases, warmup, max_model_len, ...)."""
+    def spawn(self) -> None:
+        """Start the engine process; it loads while the caller does its own start-up
+        (wait_ready() then waits for it)."""
         mp = multiprocessing.get_context("spawn")
         ours, theirs = mp.Pipe()
         # not a daemon: its tensor-parallel ranks are processes of its own
@@ -69,6 +74,11 @@ class EngineCoreClient(OutputStreams):
         self._process.start()
         theirs.close()
         self._conn = ours
+
+    def wait_ready(self) -> dict:
+        """Blocking: wait until the spawned engine is ready; returns what it reported
+        (phases, warmup, max_model_len, ...)."""
+        ours = self._conn
         try:
             message = ours.recv()
         except EOFError:
@@ -109,10 +119,24 @@ class EngineCoreClient(OutputStreams):
 
     # -- the engine's commands (EngineLoop's, by name) -----------------------------------
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """The worker's tokenizer: the text of a request without stop strings is made
+        here, off the engine's step (output_deltas.py)."""
+        self._tokenizer = tokenizer
+
+    def _expect(self, key: str, params) -> None:
+        if self._tokenizer is not None and not engine_makes_text(params):
+            detok = IncrementalDetokenizer(self._tokenizer, params, self._count_fallback)
+            self._decoder.expect(key, detok)
+
+    def _count_fallback(self) -> None:
+        self.num_detokenizer_fallbacks += 1
+
     async def add_request(self, key: str, prompt_ids: list[int], params) -> None:
         if params.structured_output is not None:
             # compiled on the engine process's helper thread first: not between steps
             await self._call("compile_grammar", params.structured_output)
+        self._expect(key, params)
         await self._call("add_request", key, prompt_ids, params)
 
     async def abort_request(self, key: str) -> bool:
@@ -123,6 +147,7 @@ class EngineCoreClient(OutputStreams):
         await self._call("free_request", key, always=True)
 
     async def reserve_remote_kv(self, key: str, prompt_ids: list[int], params):
+        self._expect(key, params)
         return await self._call("reserve_remote_kv", key, prompt_ids, params)
 
     async def admit_remote(self, key: str, first_token_id: int, first_logprob, prompt_logprobs):
@@ -139,12 +164,16 @@ class EngineCoreClient(OutputStreams):
         call = asyncio.ensure_future(self._call("load"))
         status = self._status
         if status is None:  # nothing reported yet
-            return await call
-        try:
-            return await asyncio.wait_for(asyncio.shield(call), LOAD_WAIT_S)
-        except TimeoutError:
-            call.add_done_callback(_ignore_result)
-            return status["stats"], status["audit"]
+            stats, audit = await call
+        else:
+            try:
+                stats, audit = await asyncio.wait_for(asyncio.shield(call), LOAD_WAIT_S)
+            except TimeoutError:
+                call.add_done_callback(_ignore_result)
+                stats, audit = status["stats"], status["audit"]
+        # the fallbacks of the detokenizers on both sides
+        fallbacks = stats["detokenizer_fallbacks"] + self.num_detokenizer_fallbacks
+        return {**stats, "detokenizer_fallbacks": fallbacks}, audit
 
     async def add_kv_peer(self, info: KVAgentInfo, rank_agents: list[KVAgentInfo]) -> None:
         await self._call("add_kv_peer", info.to_dict(), [a.to_dict() for a in rank_agents])
@@ -257,13 +286,14 @@ class EngineProcessKV:
         pass  # the engine process closes its own
 
 
-def request_checks_for(engine_config: EngineConfig, max_model_len: int) -> RequestChecks:
-    """The engine's request checks without its model: for a worker whose engine runs in
-    another process."""
+def request_checks_for(engine_config: EngineConfig) -> Callable[[int], RequestChecks]:
+    """The engine's request checks without its model, for a worker whose engine runs in
+    another process: loaded while that process loads the model (the tokenizer and the
+    transformers import take seconds), completed with the engine's max_model_len."""
     path = resolve_model_path(engine_config.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     grammars = Grammars(tokenizer, hf_config.vocab_size, eos_token_ids(path, tokenizer, hf_config))
-    return RequestChecks(
-        tokenizer, hf_config.vocab_size, grammars, engine_config.scheduling_policy, max_model_len
+    return functools.partial(
+        RequestChecks, tokenizer, hf_config.vocab_size, grammars, engine_config.scheduling_policy
     )

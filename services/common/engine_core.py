@@ -73,6 +73,7 @@ def run(conn, engine_config, settings, log_level: int) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1) from None
     try:
+        engine.text_for_stop_strings_only = True  # the worker detokenizes the rest
         core = EngineCore(conn, engine, connector)
         frozen = freeze_startup_heap()
         core.gc_pauses.install()  # reported with each status (the worker's metrics)

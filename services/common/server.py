@@ -52,7 +52,18 @@ class WorkerContext:
         self.warmup: WarmupReport | None = None
         self.failure: str | None = None
         self.failed = asyncio.Event()
+        self.draining = False
+        self._drain_callbacks: list[Callable[[], None]] = []
         self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the event loop) when the worker starts to drain."""
+        self._drain_callbacks.append(callback)
+
+    def start_drain(self) -> None:
+        self.draining = True
+        for callback in self._drain_callbacks:
+            callback()
 
     def load(self) -> None:
         """Blocking: load the model, warm it up and register the KV cache with the
@@ -75,13 +86,20 @@ class WorkerContext:
             self._engine_died,
             self.metrics.observe_engine_gc_pause,
         )
-        ready = client.start()
+        client.spawn()
+        try:
+            checks = request_checks_for(self.engine_config)  # while the engine loads
+        except BaseException:
+            client.stop(timeout=0)  # still loading: nothing of ours to finish there
+            raise
+        ready = client.wait_ready()
         self.phases.durations.update(ready["phases"])
         self.warmup = ready["warmup"]
         log.info(
             "the engine process froze %d startup objects out of GC", ready["gc_frozen_objects"]
         )
-        self.engine = request_checks_for(self.engine_config, ready["max_model_len"])
+        self.engine = checks(ready["max_model_len"])
+        client.use_tokenizer(self.engine.tokenizer)
         self.connector = client.kv
         self.loop = client
 
@@ -210,6 +228,7 @@ async def serve(
         grace = 1.0 if ctx.failure else settings.drain_timeout_s
         log.info("%s worker stopping: draining for up to %.0fs", role, grace)
         await health_servicer.enter_graceful_shutdown()
+        ctx.start_drain()  # streams of many requests take no more and end when done
         # New calls are refused; in-flight ones get the drain deadline, then are cancelled
         # (their handlers abort their requests and free the blocks).
         await server.stop(grace=grace)

@@ -7,6 +7,9 @@ going out next (the Outbox), so the host cost per token is building its protobuf
 more. A request that fails ends with a GenerateStreamError carrying the status a unary
 Generate would have ended with; the stream itself ends when the router half-closes and
 its last request is done, and cancelling it (router gone) aborts every request on it.
+A draining worker (SIGTERM) refuses new starts with UNAVAILABLE, so the router sends
+them elsewhere, and ends the stream once its last request is done: an idle stream
+does not hold the shutdown to its drain deadline.
 
 The unary-stream Generate is the same lifecycle with an outbox of its own (serve_one):
 one definition of admission, remote prefill, cancellation, errors and freeing."""
@@ -160,6 +163,12 @@ class MuxSession:
         self._generate = generate
         self.outbox = Outbox(on_merge)
         self.tasks: dict[str, asyncio.Task] = {}
+        self.draining = False
+
+    def drain(self) -> None:
+        """The worker is stopping: no new requests; end once the last one is done."""
+        self.draining = True
+        self.outbox.ready.set()
 
     async def serve(self, request_iterator):
         reader = asyncio.create_task(self._read(request_iterator))
@@ -170,10 +179,13 @@ class MuxSession:
                 # decided before taking: a request that ends while a message is being
                 # written leaves its last responses in the outbox for the next round
                 ended = reader.done() and (reader.exception() is not None or not self.tasks)
+                drained = self.draining and not self.tasks
                 for message in self.outbox.take():
                     yield message
                 if ended:
                     reader.result()  # a malformed request ends the call with its error
+                    return
+                if drained:
                     return
         finally:
             reader.cancel()
@@ -197,6 +209,11 @@ class MuxSession:
 
     def _start(self, start, timeout_s: float) -> None:
         rid = start.request_id
+        if self.draining:
+            self.outbox.error(
+                rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down (draining)"
+            )
+            return
         if rid in self.tasks:
             self.outbox.error(
                 rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in flight on this stream"

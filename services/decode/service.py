@@ -79,6 +79,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.peers = PrefillPeers(ctx)
         self.remote_prefill = RemotePrefill(ctx, self.peers)
         self.active = ActiveRequests()
+        self.sessions: set[MuxSession] = set()
+        ctx.on_drain(self._drain_sessions)
+
+    def _drain_sessions(self) -> None:
+        for session in self.sessions:
+            session.drain()
 
     async def AddPrefillPeer(self, request, context):
         session = await self.peers.session(
@@ -108,9 +114,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def GenerateStream(self, request_iterator, context):
         """Many requests over one stream, a message per engine step (mux.py)."""
         session = MuxSession(self._generate_into, self.ctx.metrics.merged_responses.inc)
-        async with contextlib.aclosing(session.serve(request_iterator)) as messages:
-            async for message in messages:
-                yield message
+        if self.ctx.draining:
+            session.drain()
+        self.sessions.add(session)
+        try:
+            async with contextlib.aclosing(session.serve(request_iterator)) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self.sessions.discard(session)
 
     async def _generate_into(self, request, outbox: Outbox) -> None:
         """A request's whole lifecycle, its responses written into an outbox (its own

@@ -23,6 +23,7 @@ from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_audit import KVAudit, audit_kv
 from services.engine.model_runner import ModelRunner
+from services.engine.output_deltas import engine_makes_text
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.pd_roles import DisaggregatedRoles
 from services.engine.request_checks import RequestChecks
@@ -96,6 +97,9 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         self.requests: dict[str, _Request] = {}
         # requests whose Rust DecodeStream erred and that went on in Python (detokenizer.py)
         self.num_detokenizer_fallbacks = 0
+        # in an engine process: detokenize only the requests with stop strings (the
+        # worker makes the others' text, output_deltas.py)
+        self.text_for_stop_strings_only = False
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.checks = RequestChecks(
             self.tokenizer,
@@ -181,9 +185,12 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
             stop_ids += self.eos_token_ids
         words = self._bad_word_token_ids(params.bad_words)
         banned = [w[0] for w in words if len(w) == 1]
+        tokenizer = self.tokenizer
+        if self.text_for_stop_strings_only and not engine_makes_text(params):
+            tokenizer = None  # no text here
         self.requests[seq.seq_id] = _Request(
             seq,
-            IncrementalDetokenizer(self.tokenizer, params, self._count_detokenizer_fallback),
+            IncrementalDetokenizer(tokenizer, params, self._count_detokenizer_fallback),
             generator,
             stop_ids,
             logits_bias_row(params, banned, self.hf_config.vocab_size, self.runner.device),

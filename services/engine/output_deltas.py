@@ -5,11 +5,24 @@ sending it every step would copy O(output) per request per step. The engine proc
 sends what is new since the request's previous output instead (DeltaEncoder), and the
 receiving process rebuilds RequestOutputs from its own copy of each request's tokens,
 text and logprobs (DeltaDecoder), so the code that reads outputs is the same on both
-sides of the boundary."""
+sides of the boundary.
+
+Text is made where it is needed: the engine must detokenize a request with stop
+strings (it stops on them), and only those; the receiving side detokenizes the others
+(`DeltaDecoder.expect`), so a step's detokenization does not hold up the engine's next
+step."""
 
 from __future__ import annotations
 
 from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.sampling_params import SamplingParams
+
+
+def engine_makes_text(params: SamplingParams) -> bool:
+    """Whether the engine process detokenizes this request (it has stop strings to
+    match) or the receiving side does (everything else)."""
+    return bool(params.stop)
+
 
 # one output's news, a plain tuple (cheap to pickle):
 # (request_id, new token ids, new text, new logprobs or None, finished, finish_reason,
@@ -59,14 +72,15 @@ class DeltaEncoder:
 
 
 class _Copy:
-    __slots__ = ("token_ids", "text", "logprobs", "prompt_token_ids", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_token_ids", "prompt_logprobs", "detok")
 
-    def __init__(self, prompt_token_ids, prompt_logprobs, with_logprobs: bool):
+    def __init__(self, prompt_token_ids, prompt_logprobs, with_logprobs: bool, detok):
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs = [] if with_logprobs else None
         self.prompt_token_ids = prompt_token_ids
         self.prompt_logprobs = prompt_logprobs
+        self.detok = detok  # makes the text here (the engine sends none), or None
 
 
 class DeltaDecoder:
@@ -74,15 +88,29 @@ class DeltaDecoder:
 
     def __init__(self):
         self._copies: dict[str, _Copy] = {}
+        self._detoks: dict = {}  # request id -> its detokenizer, until its first delta
+
+    def expect(self, request_id: str, detok) -> None:
+        """This request's text is made here, by `detok` (an IncrementalDetokenizer):
+        the engine sends its tokens without text."""
+        self._detoks[request_id] = detok
 
     def decode(self, delta: Delta) -> RequestOutput:
         rid, new_ids, new_text, new_lps, finished, reason, stop, cached, first = delta
         copy = self._copies.get(rid)
         if copy is None or first is not None:
             prompt_ids, prompt_lps = first if first is not None else ([], None)
-            copy = self._copies[rid] = _Copy(prompt_ids, prompt_lps, new_lps is not None)
+            detok = self._detoks.pop(rid, None)
+            copy = self._copies[rid] = _Copy(prompt_ids, prompt_lps, new_lps is not None, detok)
         copy.token_ids += new_ids
-        copy.text += new_text
+        detok = copy.detok
+        if detok is None:
+            copy.text += new_text
+        else:
+            detok.add_tokens(new_ids, check_stop=False)  # no stop strings: the engine's rule
+            if finished:
+                detok.flush()
+            copy.text = detok.text
         if new_lps is not None:
             copy.logprobs += new_lps
         if finished:
@@ -101,6 +129,7 @@ class DeltaDecoder:
 
     def forget(self, request_id: str) -> None:
         self._copies.pop(request_id, None)
+        self._detoks.pop(request_id, None)
 
     def __len__(self) -> int:
-        return len(self._copies)
+        return len(self._copies) + len(self._detoks)

@@ -19,6 +19,7 @@ import pytest
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import SamplingParams
+from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.output_deltas import DeltaDecoder, DeltaEncoder
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import StructuredOutput
@@ -87,6 +88,45 @@ def test_deltas_rebuild_every_output():
     encoder.encode(RequestOutput("gone", [1], [CompletionOutput(0, "", [5])]))
     encoder.forget("gone")
     assert len(encoder) == 0
+
+
+def test_text_is_made_where_it_is_needed(colocated):
+    """Unit: an engine process detokenizes only the requests with stop strings; for
+    the others it sends tokens without text, and the worker's DeltaDecoder makes text
+    equal to what the engine would have made."""
+    tok = colocated.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("Count: one, two, three,")]
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    stopping = SamplingParams(temperature=0, max_tokens=24, stop=[" five"])
+    refs = [colocated.generate([p], params)[0] for p in prompts for params in (plain, stopping)]
+    engine = colocated.engine
+    engine.text_for_stop_strings_only = True
+    try:
+        encoder, decoder = DeltaEncoder(), DeltaDecoder()
+        rids = []
+        for i, prompt in enumerate(prompts):
+            for kind, params in (("plain", plain), ("stop", stopping)):
+                rid = f"{kind}{i}"
+                if kind == "plain":
+                    decoder.expect(rid, IncrementalDetokenizer(tok, params))
+                engine.add_request(rid, prompt, params)
+                rids.append(rid)
+        finals = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = encoder.encode(out)
+                if out.request_id.startswith("plain"):
+                    assert delta[2] == ""  # no text from the engine
+                rebuilt = decoder.decode(delta)
+                if rebuilt.finished:
+                    finals[rebuilt.request_id] = rebuilt
+    finally:
+        engine.text_for_stop_strings_only = False
+    for rid, ref in zip(rids, refs):
+        assert finals[rid].output.token_ids == ref.output.token_ids
+        assert finals[rid].output.text == ref.output.text, rid
+    assert "five" not in finals["stop1"].output.text  # the engine's stop string cut it
+    assert len(encoder) == len(decoder) == 0
 
 
 def test_outputs_equal_the_colocated_engine(decode, colocated):

@@ -1,5 +1,8 @@
-"""Prefill on GPU 0, decode on GPU 1, KV over NVLink through Mooncake (nvlink_intra):
-token for token what the colocated engine produces on one GPU."""
+"""Prefill and decode workers on GPUs, KV through Mooncake's nvlink_intra: on two GPUs
+(over NVLink), or both on one GPU (two processes, the copy inside the GPU). Token for
+token what the colocated engine produces on one GPU. The decode worker runs its engine
+in a process of its own, its default on a GPU, so the KV memory it registers with the
+transfer engine lives there."""
 
 from __future__ import annotations
 
@@ -16,15 +19,16 @@ from tests.workers.test_disaggregated import generate
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
-)
-def test_nvlink_disaggregated_equals_colocated(tmp_path):
+@pytest.mark.parametrize("decode_device", ["cuda:1", "cuda:0"], ids=["two GPUs", "one GPU"])
+def test_nvlink_disaggregated_equals_colocated(tmp_path, decode_device):
+    needed = int(decode_device[-1]) + 1
+    if not torch.cuda.is_available() or torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} GPU(s)")
     model = str(save_random_model(tmp_path / "llama", "llama"))
     env = {"MC_INTRANODE_NVLINK": "1"}
     common = ("--dtype", "bfloat16", "--transfer-protocol", "nvlink_intra")
     prefill = start_worker("prefill", "--device", "cuda:0", *common, model=model, env=env)
-    decode = start_worker("decode", "--device", "cuda:1", *common, model=model, env=env)
+    decode = start_worker("decode", "--device", decode_device, *common, model=model, env=env)
     try:
         colocated = LLM(model, device="cuda:0", dtype="bfloat16", num_kv_blocks=256)
         rng = random.Random(3)
@@ -35,6 +39,7 @@ def test_nvlink_disaggregated_equals_colocated(tmp_path):
             tokens, last = generate(decode, prompt, prefill, max_tokens=16, ignore_eos=True)
             assert tokens == ref
             assert not last.timings.prefill_fallback
+        assert any("engine process" in line and "ready" in line for line in decode.log)
         report = prefill.load()
         assert report.kv_transfers_ok == len(prompts) and report.kv_transfers_failed == 0
         for w in (prefill, decode):

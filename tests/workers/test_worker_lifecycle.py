@@ -1,8 +1,9 @@
 """Worker lifecycle: metrics endpoint, handshake rejection of an incompatible pair,
-graceful shutdown on SIGTERM."""
+graceful shutdown on SIGTERM (unary calls and request streams)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -15,6 +16,7 @@ import pytest
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.workers.procs import start_worker
 from tests.workers.test_disaggregated import generate
+from tests.workers.test_generate_stream import Stream, _start
 
 
 def _metrics(port: int) -> str:
@@ -112,5 +114,43 @@ def test_new_requests_are_refused_while_draining(model):
         errors = [line for line in decode.log if " ERROR " in line or "Traceback" in line]
         assert not errors, errors
         assert decode.wait_for_log("cancelled 1 call(s) past the drain", 5)
+    finally:
+        decode.stop()
+
+
+def test_an_idle_request_stream_does_not_hold_the_drain(model):
+    """A router's GenerateStream stays open between requests. On SIGTERM the worker
+    finishes the request on it, refuses a new start with UNAVAILABLE (the router sends
+    it elsewhere), ends the stream once it is idle and exits without waiting out the
+    drain deadline."""
+    decode = start_worker("decode", "--drain-timeout", "60", model=model)
+
+    async def scenario():
+        stream = Stream(decode)
+        try:
+            stream.outgoing.put_nowait(
+                _start("long", list(range(300, 320)), max_tokens=64, ignore_eos=True)
+            )
+            await stream.read_until(lambda s: len(s.tokens.get("long", [])) >= 2)
+            decode.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(decode.wait_for_log, "draining for up to 60s", 10)
+            stream.outgoing.put_nowait(_start("late", [5, 6, 7], max_tokens=2))
+            await stream.read_until(lambda s: "late" in s.errors and "long" in s.finals)
+            # the worker ends the call: the iteration stops with no error
+            await stream.read_until(lambda s: False, timeout=20)
+            return stream
+        finally:
+            await stream.close()
+
+    try:
+        started = time.monotonic()
+        stream = asyncio.run(scenario())
+        assert stream.errors["late"].code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "draining" in stream.errors["late"].message
+        assert len(stream.tokens["long"]) == 64  # the request in flight finished
+        assert stream.finals["long"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert decode.proc.wait(30) == 0
+        assert time.monotonic() - started < 30  # not the 60 s drain deadline
+        assert not decode.wait_for_log("past the drain", 0.5)
     finally:
         decode.stop()
