@@ -1,5 +1,6 @@
 """Tensor parallelism, acceptance 2 and 3: prefill and decode workers with different TP
-(P tp=2 -> D tp=1 and P tp=1 -> D tp=2, real rank processes, Mooncake TCP) equal the
+(P tp=2 -> D tp=1 and P tp=1 -> D tp=2, the latter also with the decode worker's engine
+in its own process; real rank processes, Mooncake TCP) equal the
 colocated engine token for token, write exactly the requests' KV bytes and free every
 block; a TP=2 decode worker whose rank is killed under load leaves the pool: its
 requests end with a clear error, the worker exits non-zero and no rank is left."""
@@ -43,8 +44,13 @@ def _block_bytes(model: str) -> int:
     return hf.num_hidden_layers * 2 * BLOCK * hf.num_key_value_heads * head_dim * 4  # fp32
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_different_tp_equals_colocated(model, prefill_tp, decode_tp):
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,decode_flags",
+    [(2, 1, ()), (1, 2, ()), (1, 2, ("--engine-process",))],
+    ids=["P2-D1", "P1-D2", "P1-D2 engine process"],
+)
+def test_different_tp_equals_colocated(model, prefill_tp, decode_tp, decode_flags):
+    # the engine process (a decode worker's default on a GPU) spawns the ranks itself
     prompts = _prompts(prefill_tp)
     with LLM(model, num_kv_blocks=128) as colocated:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -53,7 +59,7 @@ def test_different_tp_equals_colocated(model, prefill_tp, decode_tp):
     with worker_pair(
         model,
         prefill_args=(*chunked, "--tensor-parallel-size", str(prefill_tp)),
-        decode_args=("--tensor-parallel-size", str(decode_tp)),
+        decode_args=("--tensor-parallel-size", str(decode_tp), *decode_flags),
     ) as (prefill, decode):
         # every rank process froze its startup heap out of the collector once warm
         for w, tp in ((prefill, prefill_tp), (decode, decode_tp)):
