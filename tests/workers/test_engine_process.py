@@ -24,6 +24,7 @@ from services.engine.output_deltas import DeltaDecoder, DeltaEncoder
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import StructuredOutput
 from services.engine.sequence import Logprob
+from tests.engine.helpers import assert_all_blocks_free
 from tests.workers.procs import start_worker
 
 
@@ -127,6 +128,7 @@ def test_text_is_made_where_it_is_needed(colocated):
         assert finals[rid].output.text == ref.output.text, rid
     assert "five" not in finals["stop1"].output.text  # the engine's stop string cut it
     assert len(encoder) == len(decoder) == 0
+    assert_all_blocks_free(colocated)
 
 
 def test_outputs_equal_the_colocated_engine(decode, colocated):
