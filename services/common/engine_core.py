@@ -27,7 +27,6 @@ from kvtransfer import KVAgentInfo
 from pdpb.heap import GCPauses, freeze_startup_heap
 from services.common.engine_loop import AUDIT_INTERVAL_S
 from services.common.engine_setup import load_engine
-from services.engine.output_deltas import DeltaEncoder
 from services.engine.startup import StartupPhases
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ def run(conn, engine_config, settings, log_level: int) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1) from None
     try:
-        engine.text_for_stop_strings_only = True  # the worker detokenizes the rest
+        engine.delta_outputs = True  # and the worker detokenizes what it need not
         core = EngineCore(conn, engine, connector)
         frozen = freeze_startup_heap()
         core.gc_pauses.install()  # reported with each status (the worker's metrics)
@@ -100,7 +99,6 @@ class EngineCore:
         self.conn = conn
         self.engine = engine
         self.connector = connector
-        self.deltas = DeltaEncoder()
         self._send_lock = threading.Lock()
         self._ended = False
         self._audited_at = float("-inf")
@@ -134,7 +132,7 @@ class EngineCore:
                 self._fail_all(e)
                 continue
             if outputs:
-                self.send(("out", [self.deltas.encode(out) for out in outputs]))
+                self.send(("out", outputs))
             self._changed = True
         self._helpers.shutdown(wait=False, cancel_futures=True)
 
@@ -197,7 +195,6 @@ class EngineCore:
         error = portable(error)
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            self.deltas.forget(request_id)
             self.send(("error", request_id, error))
 
     def _rank_died(self, rank: int, exitcode) -> None:
@@ -216,19 +213,17 @@ class EngineCore:
         self.engine.add_request(key, prompt_ids, params)
 
     def _abort_request(self, key) -> bool:
-        self.deltas.forget(key)
         return self.engine.abort_request(key)
 
     def _free_request(self, key) -> None:
-        self.deltas.forget(key)
         self.engine.release(key) or self.engine.abort_request(key)
 
     def _reserve_remote_kv(self, key, prompt_ids, params):
         return self.engine.reserve_remote_kv(key, prompt_ids, params)
 
     def _admit_remote(self, key, first_token_id, first_logprob, prompt_logprobs) -> None:
-        out = self.engine.admit_remote(key, first_token_id, first_logprob, prompt_logprobs)
-        self.send(("out", [self.deltas.encode(out)]))  # ahead of the reply and any step's
+        delta = self.engine.admit_remote(key, first_token_id, first_logprob, prompt_logprobs)
+        self.send(("out", [delta]))  # ahead of the reply and any step's
 
     def _prefill_locally(self, key) -> None:
         self.engine.prefill_locally(key)

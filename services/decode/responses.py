@@ -5,7 +5,7 @@ the per-request Generate stream and the multiplexed GenerateStream."""
 
 from __future__ import annotations
 
-from pdpb.v1 import common_pb2, decode_pb2
+from pdpb.v1 import common_pb2
 from services.common import convert
 from services.decode.remote_prefill import PrefillTimings
 from services.engine import RequestOutput
@@ -22,16 +22,15 @@ class ResponseBuilder:
         self.sent_tokens = 0
         self.sent_chars = 0
 
-    def fill(self, out: RequestOutput, resp: decode_pb2.GenerateResponse) -> None:
-        """Append out's news to resp: a fresh response, or this request's response not
-        yet written (the Outbox merges while the reader is behind)."""
+    def fill(self, out: RequestOutput, outbox) -> None:
+        """Append out's news to this request's response in `outbox` (mux.Outbox): a
+        fresh response, or the one not yet written (the Outbox merges while the reader
+        is behind)."""
         completion = out.output
         first = self.sent_tokens == 0
         new_ids = completion.token_ids_from(self.sent_tokens)
-        resp.request_id = self.rid
-        resp.token_ids.extend(new_ids)
         text = completion.text[self.sent_chars :]
-        resp.text += text
+        resp = outbox.response(self.rid, new_ids, text)
         params = self.params
         if params.logprobs is not None and completion.logprobs:
             for tid, entry in zip(new_ids, completion.logprobs[self.sent_tokens :]):
@@ -57,9 +56,9 @@ class ResponseBuilder:
             )
             resp.timings.CopyFrom(convert.timings_to_pb(self.timings))
 
-    def fill_aborted(self, resp: decode_pb2.GenerateResponse) -> None:
+    def fill_aborted(self, outbox) -> None:
         """The last response of a request ended by Abort()."""
-        resp.request_id = self.rid
+        resp = outbox.response(self.rid)
         resp.finish_reason = common_pb2.FINISH_REASON_ABORT
         resp.usage.CopyFrom(
             common_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.sent_tokens)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.outputs import RequestOutput
 from services.engine.sampler import DeviceTokens
 from services.engine.scheduler import ScheduledSeq
 from services.engine.sequence import Sequence
@@ -58,17 +57,22 @@ class AsyncSteps:
 
     def _launch_next(self, done: StepInFlight) -> StepInFlight | None:
         """Launch the step after `done` before reading its tokens, for the sequences
-        that go on whatever they are; None if the batch must change first."""
-        if not all(self._sampled_on_device(seq, 1) for seq in self.scheduler.running):
-            return None
+        that go on whatever they are; None if the batch must change first.
+
+        Every sequence of `done` was sampled on the device, and stays so (its
+        device_sampling_from is fixed and its output only grows); a running sequence
+        that is not in `done` makes the scheduler refuse: so no sequence needs the
+        host to sample its next token."""
+        max_model_len = self.max_model_len
 
         def goes_on(seq: Sequence) -> bool:  # False: surely stops on the token in flight
-            n_out = seq.num_output_tokens + 1
-            if seq.params.max_tokens is not None and n_out >= seq.params.max_tokens:
+            num_tokens = len(seq.token_ids) + 1
+            max_tokens = seq.params.max_tokens
+            if max_tokens is not None and num_tokens - len(seq.prompt_token_ids) >= max_tokens:
                 return False
-            return seq.num_tokens + 1 < self.max_model_len
+            return num_tokens < max_model_len
 
-        if self.scheduler.waiting:
+        if self.scheduler.can_admit():
             return self._launch_mixed(done, goes_on)
         seqs = self.scheduler.schedule_next_decode(done.seqs, goes_on)
         return self._launch(seqs, done) if seqs else None
@@ -101,14 +105,15 @@ class AsyncSteps:
     def _admits_pipelined(self, seq: Sequence) -> bool:
         return not seq.needs_prompt_logprobs and self._sampled_on_device(seq, 0)
 
-    def _read_tokens(self, done: StepInFlight) -> list[RequestOutput]:
+    def _read_tokens(self, done: StepInFlight) -> list:
+        """The outputs (RequestOutputs, or deltas) of the tokens `done` sampled."""
         outputs = []
+        requests, cache_full_blocks = self.requests, self.scheduler.cache_full_blocks
         for seq, token in zip(done.seqs, done.tokens.tolist()):
-            req = self.requests.get(seq.seq_id)
+            req = requests.get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue  # aborted while its step ran
-            out = self._append_and_check(seq, token, None)
-            if not out.finished:
-                self.scheduler.cache_full_blocks(seq, seq.num_tokens)
-            outputs.append(out)
+            outputs.append(self._append_and_check(req, token, None))
+            if not seq.is_finished:
+                cache_full_blocks(seq, seq.num_tokens)
         return outputs

@@ -23,7 +23,7 @@ from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_audit import KVAudit, audit_kv
 from services.engine.model_runner import ModelRunner
-from services.engine.output_deltas import engine_makes_text
+from services.engine.output_deltas import Delta, engine_makes_text, make_delta
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.pd_roles import DisaggregatedRoles
 from services.engine.request_checks import RequestChecks
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Request:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: its text is made where the deltas go
     generator: torch.Generator | None
     stop_token_ids: list[int]
     logits_bias: torch.Tensor | None = None  # see SamplingRequest
@@ -60,6 +60,9 @@ class _Request:
     # (samples_on_device; None: never), decided once: async scheduling asks for every
     # running sequence every step
     device_sampling_from: int | None = field(init=False)
+    # with delta outputs: output tokens and text characters sent so far (-1: nothing yet)
+    sent_tokens: int = field(default=-1, init=False)
+    sent_chars: int = field(default=0, init=False)
 
     def __post_init__(self):
         params, has_stop_ids = self.seq.params, bool(self.stop_token_ids)
@@ -97,9 +100,10 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         self.requests: dict[str, _Request] = {}
         # requests whose Rust DecodeStream erred and that went on in Python (detokenizer.py)
         self.num_detokenizer_fallbacks = 0
-        # in an engine process: detokenize only the requests with stop strings (the
-        # worker makes the others' text, output_deltas.py)
-        self.text_for_stop_strings_only = False
+        # in an engine process: step() and admit_remote() return deltas made straight
+        # from the sequences, and only requests with stop strings are detokenized here
+        # (the worker makes the others' text; output_deltas.py)
+        self.delta_outputs = False
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.checks = RequestChecks(
             self.tokenizer,
@@ -185,12 +189,12 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
             stop_ids += self.eos_token_ids
         words = self._bad_word_token_ids(params.bad_words)
         banned = [w[0] for w in words if len(w) == 1]
-        tokenizer = self.tokenizer
-        if self.text_for_stop_strings_only and not engine_makes_text(params):
-            tokenizer = None  # no text here
+        detok = None  # no text here
+        if not self.delta_outputs or engine_makes_text(params):
+            detok = IncrementalDetokenizer(self.tokenizer, params, self._count_detokenizer_fallback)
         self.requests[seq.seq_id] = _Request(
             seq,
-            IncrementalDetokenizer(tokenizer, params, self._count_detokenizer_fallback),
+            detok,
             generator,
             stop_ids,
             logits_bias_row(params, banned, self.hf_config.vocab_size, self.runner.device),
@@ -228,8 +232,9 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs it produced. With async scheduling a
+    def step(self) -> list[RequestOutput] | list[Delta]:
+        """Run one step; returns the outputs it produced (deltas with delta_outputs).
+        With async scheduling a
         decode step sampled on the device returns the previous step's tokens, after
         launching the next one (whose tokens the following call returns)."""
         done, self._in_flight = self._in_flight, None
@@ -243,7 +248,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         self._in_flight = self._launch_next(done)
         return self._read_tokens(done)
 
-    def _step_sync(self, sched) -> list[RequestOutput]:
+    def _step_sync(self, sched) -> list:
         to_sample = [s for s in sched.scheduled if s.completes_prefill]
         sampling = [self._sampling_request(s.seq) for s in to_sample]
         result = self.runner.execute(sched.scheduled, sampling)
@@ -279,20 +284,19 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         )
         return req.sampling
 
-    def _process_samples(
-        self, items: list[ScheduledSeq], result: SamplerOutput
-    ) -> list[RequestOutput]:
+    def _process_samples(self, items: list[ScheduledSeq], result: SamplerOutput) -> list:
         outputs = []
         for item, token, lp in zip(items, result.token_ids, result.logprobs):
             seq = item.seq
+            req = self.requests[seq.seq_id]
             if self.config.role == "prefill" and seq.num_output_tokens == 0:
                 self._append_token(seq, token, lp)
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.PREFILLED  # blocks kept until release()
                 seq.reserved_at = time.monotonic()
-                outputs.append(self._make_output(seq, finished=True))
+                outputs.append(self._output(req, finished=True))
                 continue
-            outputs.append(self._append_and_check(seq, token, lp))
+            outputs.append(self._append_and_check(req, token, lp))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp) -> None:
@@ -309,13 +313,16 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         entry[token] = Logprob(chosen, rank, self.decode_token(token))
         return entry
 
-    def _append_and_check(self, seq: Sequence, token: int, lp) -> RequestOutput:
+    def _append_and_check(self, req: _Request, token: int, lp) -> RequestOutput | Delta:
+        seq = req.seq
         self._append_token(seq, token, lp)
-        req = self.requests[seq.seq_id]
         params = seq.params
         n_out = seq.num_output_tokens
         min_reached = n_out >= params.min_tokens
-        stop_str = req.detok.add_tokens([token], check_stop=min_reached)
+        detok = req.detok
+        stop_str = None
+        if detok is not None:
+            stop_str = detok.add_tokens([token], check_stop=min_reached)
         grammar_done = req.grammar is not None and req.grammar.accept(token)
         if stop_str is not None:
             self._finish(seq, "stop", stop_str)
@@ -328,39 +335,66 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
-        finished = seq.is_finished
+        finished = seq.status is SequenceStatus.FINISHED
         if finished:
-            if stop_str is None:  # text cut at a stop string stays cut
-                req.detok.flush()
+            if stop_str is None and detok is not None:  # text cut at a stop string stays cut
+                detok.flush()
             self.requests.pop(seq.seq_id, None)
-        return self._make_output(seq, finished, req.detok)
+        return self._output(req, finished)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _make_output(self, seq: Sequence, finished: bool, detok=None) -> RequestOutput:
-        detok = detok or self.requests[seq.seq_id].detok
+    def _output(self, req: _Request, finished: bool) -> RequestOutput | Delta:
+        if self.delta_outputs:
+            return self._make_delta(req, finished)
+        return self._make_output(req, finished)
+
+    def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
+        seq = req.seq
         completion = CompletionOutput(
             index=0,
-            text=detok.stable_text(finished),
+            text=req.detok.stable_text(finished),
             source=seq.token_ids,  # sliced only when read (outputs.py)
             start=seq.num_prompt_tokens,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
-        prompt_lps = None
-        if seq.params.prompt_logprobs is not None:
-            prompt_lps = [None, *seq.prompt_logprobs]  # vLLM's shape: the first has none
         return RequestOutput(
             seq.seq_id,
             seq.prompt_token_ids,
             [completion],
             finished,
             seq.num_cached_tokens,
-            prompt_lps,
+            _prompt_logprobs(seq),
+        )
+
+    def _make_delta(self, req: _Request, finished: bool) -> Delta:
+        """What is new in req's output since its previous delta, straight from the
+        sequence: a RequestOutput per request per step costs more than the step's
+        own bookkeeping at hundreds of sequences."""
+        seq = req.seq
+        first = req.sent_tokens < 0
+        sent = 0 if first else req.sent_tokens
+        new_ids = seq.token_ids[seq.num_prompt_tokens + sent :]
+        req.sent_tokens = sent + len(new_ids)
+        text = ""
+        if req.detok is not None:
+            stable = req.detok.stable_text(finished)
+            text, req.sent_chars = stable[req.sent_chars :], len(stable)
+        return make_delta(
+            seq.seq_id,
+            new_ids,
+            text,
+            seq.logprobs[sent:] if seq.params.logprobs is not None else None,
+            finished,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.num_cached_tokens,
+            (seq.prompt_token_ids, _prompt_logprobs(seq)) if first else None,
         )
 
     def decode_token(self, token_id: int) -> str | None:
@@ -383,3 +417,9 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
     def kv_audit(self) -> KVAudit:
         """Orphaned KV blocks and the oldest reservation (call on the engine's thread)."""
         return audit_kv(self)
+
+
+def _prompt_logprobs(seq: Sequence) -> list | None:
+    if seq.params.prompt_logprobs is None:
+        return None
+    return [None, *seq.prompt_logprobs]  # vLLM's shape: the first has none

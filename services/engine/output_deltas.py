@@ -2,10 +2,11 @@
 
 A RequestOutput holds the request's whole output so far (its token list, its text), so
 sending it every step would copy O(output) per request per step. The engine process
-sends what is new since the request's previous output instead (DeltaEncoder), and the
-receiving process rebuilds RequestOutputs from its own copy of each request's tokens,
-text and logprobs (DeltaDecoder), so the code that reads outputs is the same on both
-sides of the boundary.
+sends what is new since the request's previous output instead, made straight from its
+sequences (LLMEngine.delta_outputs: no RequestOutput is built there), and the receiving
+process rebuilds RequestOutputs from its own copy of each request's tokens, text and
+logprobs (DeltaDecoder), so the code that reads outputs is the same on both sides of
+the boundary.
 
 Text is made where it is needed: the engine must detokenize a request with stop
 strings (it stops on them), and only those; the receiving side detokenizes the others
@@ -24,51 +25,35 @@ def engine_makes_text(params: SamplingParams) -> bool:
     return bool(params.stop)
 
 
-# one output's news, a plain tuple (cheap to pickle):
-# (request_id, new token ids, new text, new logprobs or None, finished, finish_reason,
-#  stop_reason, num_cached_tokens, prompt_token_ids and prompt_logprobs (first only))
+# one output's news, a plain tuple (cheap to pickle): see make_delta
 Delta = tuple
 
 
-class DeltaEncoder:
-    """The sending side: per request, how many tokens and characters went out."""
-
-    def __init__(self):
-        self._sent: dict[str, list[int]] = {}  # request id -> [tokens, chars]
-
-    def encode(self, out: RequestOutput) -> Delta:
-        rid = out.request_id
-        sent = self._sent.get(rid)
-        first = sent is None
-        if first:
-            sent = self._sent[rid] = [0, 0]
-        completion = out.output
-        tokens, chars = sent
-        new_ids = completion.token_ids_from(tokens)
-        text = completion.text
-        logprobs = completion.logprobs
-        sent[0] = completion.num_token_ids
-        sent[1] = len(text)
-        if out.finished:
-            del self._sent[rid]
-        return (
-            rid,
-            new_ids,
-            text[chars:],
-            logprobs[tokens:] if logprobs is not None else None,
-            out.finished,
-            completion.finish_reason,
-            completion.stop_reason,
-            out.num_cached_tokens,
-            (out.prompt_token_ids, out.prompt_logprobs) if first else None,
-        )
-
-    def forget(self, request_id: str) -> None:
-        """The request ended without a finished output (aborted, freed)."""
-        self._sent.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._sent)
+def make_delta(
+    request_id: str,
+    new_token_ids: list[int],
+    new_text: str,
+    new_logprobs: list | None,
+    finished: bool,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    num_cached_tokens: int,
+    first: tuple | None,
+) -> Delta:
+    """The request's output since its previous delta. new_text is "" where the
+    receiving side makes the text; new_logprobs None without logprobs; first, in the
+    request's first delta only: (prompt_token_ids, prompt_logprobs)."""
+    return (
+        request_id,
+        new_token_ids,
+        new_text,
+        new_logprobs,
+        finished,
+        finish_reason,
+        stop_reason,
+        num_cached_tokens,
+        first,
+    )
 
 
 class _Copy:

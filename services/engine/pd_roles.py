@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.engine.output_deltas import Delta
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence, SequenceStatus
@@ -61,7 +62,7 @@ class DisaggregatedRoles:
 
     def admit_remote(
         self, request_id: str, first_token: int, first_logprob=None, prompt_logprobs=None
-    ) -> RequestOutput:
+    ) -> RequestOutput | Delta:
         """The KV for the whole prompt is in place: start decoding after first_token.
         first_logprob is (logprob, rank, [(token id, logprob)]) as the sampler makes it;
         prompt_logprobs one such entry per prompt token after the first (computed where
@@ -78,7 +79,7 @@ class DisaggregatedRoles:
                 for t, lp in zip(seq.prompt_token_ids[1:], prompt_logprobs)
             ]
         self.scheduler.admit_remote(seq)
-        return self._append_and_check(seq, first_token, first_logprob)
+        return self._append_and_check(req, first_token, first_logprob)
 
     def prefill_locally(self, request_id: str) -> None:
         """The remote prefill failed: compute the prompt here, in the reserved blocks.

@@ -80,6 +80,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """A sequence waits and the batch has a seat for it (max_num_seqs): at the
+        limit the running batch goes on as it is while the queue waits."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
@@ -131,9 +136,10 @@ class Scheduler:
         """Async scheduling: the decode step after the one in flight, scheduled before
         its sampled tokens reach the host. Runs the running sequences for which
         keep(seq) holds, each with a slot for one more token; None when the batch has
-        to change first (a sequence waiting or newly admitted, too many rows, no free
-        block), and the caller then finishes the step in flight and calls schedule()."""
-        if self.waiting:
+        to change first (a sequence that could be admitted, one newly admitted, too many
+        rows, no free block), and the caller then finishes the step in flight and calls
+        schedule()."""
+        if self.can_admit():
             return None
         seqs = self._next_decode_rows(in_flight, keep, self.max_num_batched_tokens)
         return seqs or None
@@ -181,8 +187,11 @@ class Scheduler:
         seqs = [seq for seq in self.running if keep(seq)]
         if len(seqs) > max_rows:
             return None
+        bs, allocate = self.block_manager.block_size, self.block_manager.allocate
         for seq in seqs:
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
+            if seq.num_computed_tokens < len(seq.block_table) * bs:
+                continue  # its last block has room (the usual case: no call)
+            if not allocate(seq, seq.num_computed_tokens + 1):
                 return None  # blocks taken so far serve these sequences' next steps
         return seqs
 
@@ -197,7 +206,10 @@ class Scheduler:
     def cache_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
         """Full blocks whose KV is written and whose tokens are all known (a token still
         being sampled on the device is not) join the prefix cache."""
-        self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, num_known_tokens))
+        num_full_tokens = min(seq.num_computed_tokens, num_known_tokens)
+        # called per sequence per step: a call only once a block has filled since
+        if num_full_tokens >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
+            self.block_manager.cache_full_blocks(seq, num_full_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """seq leaves the batch and its blocks go back (full ones stay as prefix cache).

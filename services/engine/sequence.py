@@ -62,11 +62,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        # read per sequence per step: len() directly, not through the properties
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -79,4 +80,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED

@@ -214,3 +214,34 @@ def test_device_sampling_decided_once_agrees_with_samples_on_device(engines):
         "penalty": None,
     }
     assert_all_blocks_free(engine)
+
+
+def test_a_full_batch_runs_ahead_while_requests_wait(default_model_dir):
+    """At max_num_seqs with requests queued behind it, the running batch still
+    pipelines (a queue at the limit is a saturated server's normal state): before,
+    every such step waited for the one before it. Outputs equal the synchronous
+    engine's and every block comes back."""
+    model = str(default_model_dir)
+    prompts = PROMPTS[:4]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(
+            EngineConfig(model=model, async_scheduling=async_scheduling, max_num_seqs=2)
+        )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"q{i}", prompt, params)
+        finals, ahead_while_waiting = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.output.token_ids
+            if engine.scheduler.waiting and engine._in_flight is not None:
+                ahead_while_waiting += 1
+        results.append(finals)
+        assert_all_blocks_free(engine)
+        if async_scheduling:
+            # the first two requests' 12 tokens, all but their first and last steps
+            assert ahead_while_waiting >= 8, ahead_while_waiting
+    assert results[0] == results[1]
+    assert len(results[0]) == 4

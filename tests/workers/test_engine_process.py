@@ -20,10 +20,9 @@ import pytest
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.output_deltas import DeltaDecoder, DeltaEncoder
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.output_deltas import DeltaDecoder
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import StructuredOutput
-from services.engine.sequence import Logprob
 from tests.engine.helpers import assert_all_blocks_free
 from tests.workers.procs import start_worker
 
@@ -66,68 +65,62 @@ def _generate(worker, req, timeout=60):
         return list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=timeout))
 
 
-def test_deltas_rebuild_every_output():
-    """Unit: what DeltaEncoder sends, DeltaDecoder turns back into equal outputs,
-    step after step, and neither side keeps state for an ended request."""
-    source: list[int] = [1, 2, 3]  # the prompt's tokens precede the output's
-    lps: list = []
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
-    text = ""
-    for step, token in enumerate([7, 8, 9, 10]):
-        source.append(token)
-        lps.append({token: Logprob(-0.5 * step, 1, f"<{token}>")})
-        text += f"<{token}>"
-        last = step == 3
-        completion = CompletionOutput(
-            0, text, source=source, start=3, logprobs=lps,
-            finish_reason="length" if last else None,
-        )  # fmt: skip
-        out = RequestOutput("r", [1, 2, 3], [completion], last, 2, [None, {2: Logprob(-1, 1)}])
-        rebuilt = decoder.decode(encoder.encode(out))
-        assert rebuilt == out
-    assert len(encoder) == len(decoder) == 0
-    encoder.encode(RequestOutput("gone", [1], [CompletionOutput(0, "", [5])]))
-    encoder.forget("gone")
-    assert len(encoder) == 0
+def _snapshot(out: RequestOutput) -> tuple:
+    """out as it is now (its logprob lists are live: they grow with later steps)."""
+    c = out.output
+    lps = None if c.logprobs is None else list(c.logprobs)
+    prompt_lps = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
+    return (
+        out.request_id, out.prompt_token_ids, list(c.token_ids), c.text, lps,
+        out.finished, c.finish_reason, c.stop_reason, out.num_cached_tokens, prompt_lps,
+    )  # fmt: skip
 
 
-def test_text_is_made_where_it_is_needed(colocated):
-    """Unit: an engine process detokenizes only the requests with stop strings; for
-    the others it sends tokens without text, and the worker's DeltaDecoder makes text
-    equal to what the engine would have made."""
+def test_deltas_rebuild_every_output(colocated):
+    """Unit: an engine with delta outputs (an engine process's) sends deltas that
+    DeltaDecoder turns back into the outputs the same engine returns without them,
+    output after output (tokens, text, logprobs, prompt logprobs, finish and stop
+    reasons); it detokenizes only requests with stop strings, and the receiving side
+    makes the others' text. Neither side keeps state for an ended request, and every
+    block comes back."""
     tok = colocated.tokenizer
     prompts = [tok.encode("The capital of France is"), tok.encode("Count: one, two, three,")]
-    plain = SamplingParams(temperature=0, max_tokens=24)
-    stopping = SamplingParams(temperature=0, max_tokens=24, stop=[" five"])
-    refs = [colocated.generate([p], params)[0] for p in prompts for params in (plain, stopping)]
+    kinds = {
+        "plain": SamplingParams(temperature=0, max_tokens=24),
+        "stop": SamplingParams(temperature=0, max_tokens=24, stop=[" five"]),
+        "logprobs": SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1),
+    }
     engine = colocated.engine
-    engine.text_for_stop_strings_only = True
-    try:
-        encoder, decoder = DeltaEncoder(), DeltaDecoder()
-        rids = []
+
+    def run(decoder: DeltaDecoder | None) -> dict[str, list[tuple]]:
+        seen: dict[str, list[tuple]] = {}
         for i, prompt in enumerate(prompts):
-            for kind, params in (("plain", plain), ("stop", stopping)):
+            for kind, params in kinds.items():
                 rid = f"{kind}{i}"
-                if kind == "plain":
+                if decoder is not None and kind != "stop":
                     decoder.expect(rid, IncrementalDetokenizer(tok, params))
                 engine.add_request(rid, prompt, params)
-                rids.append(rid)
-        finals = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
-                delta = encoder.encode(out)
-                if out.request_id.startswith("plain"):
-                    assert delta[2] == ""  # no text from the engine
-                rebuilt = decoder.decode(delta)
-                if rebuilt.finished:
-                    finals[rebuilt.request_id] = rebuilt
+                if decoder is not None:
+                    if not out[0].startswith("stop"):
+                        assert out[2] == ""  # no text from the engine
+                    out = decoder.decode(out)
+                seen.setdefault(out.request_id, []).append(_snapshot(out))
+        return seen
+
+    want = run(None)
+    engine.delta_outputs = True
+    decoder = DeltaDecoder()
+    try:
+        got = run(decoder)
     finally:
-        engine.text_for_stop_strings_only = False
-    for rid, ref in zip(rids, refs):
-        assert finals[rid].output.token_ids == ref.output.token_ids
-        assert finals[rid].output.text == ref.output.text, rid
-    assert "five" not in finals["stop1"].output.text  # the engine's stop string cut it
-    assert len(encoder) == len(decoder) == 0
+        engine.delta_outputs = False
+    assert got == want
+    assert all(outs[-1][5] for outs in got.values())  # every request finished
+    assert "five" not in got["stop1"][-1][3]  # the engine's stop string cut the text
+    assert got["logprobs0"][-1][9] is not None  # prompt logprobs crossed in the first delta
+    assert len(decoder) == 0 and not engine.requests
     assert_all_blocks_free(colocated)
 
 

@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from pdpb.v1 import common_pb2, decode_pb2
+from services.decode.mux import Outbox
 from services.decode.responses import ResponseBuilder
 from tests.engine.helpers import save_random_model
 from tests.workers.procs import start_worker
@@ -82,10 +83,12 @@ def test_first_token_precedes_the_steps_decoded_while_the_loop_stalls(tmp_path):
         request = decode_pb2.GenerateRequest(request_id="r")
         builder = ResponseBuilder(engine, "r", request, prompt, params)
         streamed = []
+        outbox = Outbox()
         for out in outputs:
-            resp = decode_pb2.GenerateResponse()
-            builder.fill(out, resp)
-            streamed.extend(resp.token_ids)
+            builder.fill(out, outbox)
+            for message in outbox.take():
+                for resp in message.responses:
+                    streamed.extend(resp.token_ids)
         assert streamed == ref
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
     finally:
