@@ -72,7 +72,7 @@ def run(conn, engine_config, settings, log_level: int) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1) from None
     try:
-        engine.delta_outputs = True  # and the worker detokenizes what it need not
+        engine.delta_outputs = True  # deltas; text only where stop strings need it
         core = EngineCore(conn, engine, connector)
         frozen = freeze_startup_heap()
         core.gc_pauses.install()  # reported with each status (the worker's metrics)

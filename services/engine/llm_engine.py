@@ -234,9 +234,9 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
 
     def step(self) -> list[RequestOutput] | list[Delta]:
         """Run one step; returns the outputs it produced (deltas with delta_outputs).
-        With async scheduling a
-        decode step sampled on the device returns the previous step's tokens, after
-        launching the next one (whose tokens the following call returns)."""
+        With async scheduling a decode step sampled on the device returns the previous
+        step's tokens, after launching the next one (whose tokens the following call
+        returns)."""
         done, self._in_flight = self._in_flight, None
         if done is None:
             sched = self.scheduler.schedule()
@@ -335,7 +335,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
-        finished = seq.status is SequenceStatus.FINISHED
+        finished = seq.is_finished
         if finished:
             if stop_str is None and detok is not None:  # text cut at a stop string stays cut
                 detok.flush()
