@@ -26,6 +26,8 @@ from pdpb.v1 import decode_pb2
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CLOSE = object()  # ends the request iterator: the router half-closes the stream
 _FINISHED = object()  # a request's last response went to its sink: its iteration ends
+# this router reads TokenDeltas (services/decode/mux.py's DELTAS_METADATA)
+_METADATA = (("x-pdserve-mux", "1"), ("x-pdserve-token-deltas", "1"))
 
 
 class WorkerCallError(Exception):
@@ -41,6 +43,33 @@ class WorkerCallError(Exception):
 
     def details(self) -> str:
         return self._details
+
+
+class MalformedDeltas(Exception):
+    """A TokenDeltas message whose columns do not add up (a worker bug)."""
+
+
+class TokenDelta:
+    """A request's entry of a TokenDeltas message: reads like the GenerateResponse it
+    stands for, one with new tokens and text and nothing else (the worker never sends a
+    request's first or last response, or one with logprobs, as a delta)."""
+
+    __slots__ = ("token_ids", "text")
+    finish_reason = 0
+    logprobs = ()
+    prompt_token_ids = ()
+    prompt_logprobs = ()
+    prompt_text = ""
+
+    def __init__(self, token_ids: list[int], text: str):
+        self.token_ids = token_ids
+        self.text = text
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (the protobuf method's name)
+        return False
+
+    def WhichOneof(self, name: str) -> None:  # noqa: N802
+        return None
 
 
 class _Outgoing:
@@ -75,6 +104,8 @@ class _Session:
         error = WorkerCallError(grpc.StatusCode.CANCELLED, "the router closed the stream")
         try:
             async for message in self.call:
+                if message.deltas.request_ids:
+                    self._read_deltas(message.deltas)
                 for resp in message.responses:
                     r = self.requests.get(resp.request_id)
                     if r is not None:
@@ -87,8 +118,34 @@ class _Session:
             error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
         except grpc.aio.AioRpcError as e:
             error = WorkerCallError(e.code(), e.details() or "")
+        except MalformedDeltas as e:
+            error = WorkerCallError(grpc.StatusCode.INTERNAL, str(e))
         finally:
             self.close(error)
+
+    def _read_deltas(self, deltas: decode_pb2.TokenDeltas) -> None:
+        """Each request's entry of the columns, as a TokenDelta, in order."""
+        rids, counts, lengths = deltas.request_ids, deltas.token_counts, deltas.text_lengths
+        token_ids, text = list(deltas.token_ids), deltas.text
+        if not (
+            len(rids) == len(counts) == len(lengths)
+            and sum(counts) == len(token_ids)
+            and sum(lengths) == len(text)
+        ):
+            raise MalformedDeltas(
+                f"malformed TokenDeltas from the worker: {len(rids)} request ids, "
+                f"{len(counts)} token counts summing to {sum(counts)} for "
+                f"{len(token_ids)} tokens, {len(lengths)} text lengths summing to "
+                f"{sum(lengths)} for {len(text)} characters"
+            )
+        requests = self.requests
+        t = c = 0
+        for rid, n, length in zip(rids, counts, lengths):
+            r = requests.get(rid)
+            if r is not None:
+                r.deliver(TokenDelta(token_ids[t : t + n], text[c : c + length]))
+            t += n
+            c += length
 
     def close(self, error: WorkerCallError | None) -> None:
         """No new requests here; the ones on it end with `error`."""
@@ -109,7 +166,7 @@ class DecodeMux:
     def open(self, gen: decode_pb2.GenerateRequest, timeout: float) -> MuxedRequest:
         session = self._session
         if session is None or session.closed is not None:
-            session = self._session = _Session(self._stub, (("x-pdserve-mux", "1"),))
+            session = self._session = _Session(self._stub, _METADATA)
         return MuxedRequest(session, gen, timeout)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from itertools import chain
 
 import grpc
 
@@ -28,7 +29,31 @@ from services.common.interceptor import status_of
 
 log = logging.getLogger(__name__)
 
-_MAX_RESPONSES_PER_MESSAGE = 4096  # a step's responses are small; bounds one message
+# a router that reads TokenDeltas says so in the GenerateStream call's metadata; one
+# that does not (an older router during a rolling upgrade) gets GenerateResponses only
+DELTAS_METADATA = ("x-pdserve-token-deltas", "1")
+
+_MAX_RESPONSES_PER_MESSAGE = 4096  # a step's items are small; bounds one message
+
+
+class _Columns:
+    """One message's TokenDeltas while it is being filled: Python lists, turned into
+    the message's columns once, when it is taken."""
+
+    __slots__ = ("request_ids", "token_ids", "texts", "items")
+
+    def __init__(self):
+        self.request_ids: list[str] = []
+        self.token_ids: list[list[int]] = []
+        self.texts: list[str] = []
+        self.items = 0  # the message's entries, responses and errors (its size bound)
+
+    def write_into(self, deltas: decode_pb2.TokenDeltas) -> None:
+        deltas.request_ids.extend(self.request_ids)
+        deltas.token_counts.extend(map(len, self.token_ids))
+        deltas.token_ids.extend(chain.from_iterable(self.token_ids))
+        deltas.text = "".join(self.texts)
+        deltas.text_lengths.extend(map(len, self.texts))
 
 
 class Outbox:
@@ -38,13 +63,22 @@ class Outbox:
     gRPC write waits on flow control), a request's later news is merged into the
     response already waiting, as vLLM merges the outputs of a slow consumer. Each step
     then costs the router one response per request however far behind it is, instead of
-    one per token, and falling behind does not compound."""
+    one per token, and falling behind does not compound.
 
-    def __init__(self, on_merge: Callable[[], None] | None = None):
+    With `columns` (the router asked for TokenDeltas), a request's plain news (`delta`:
+    tokens and text only) goes into its message's columns instead of a GenerateResponse
+    of its own: appended to Python lists here and written as a few repeated fields when
+    the message is taken. The reader reads a message's deltas before its responses, so
+    a request's response (its last) may follow its delta in the same message."""
+
+    def __init__(self, on_merge: Callable[[], None] | None = None, columns: bool = False):
         self._on_merge = on_merge  # counts merges (the worker's pdserve_merged_responses)
+        self._columns_wanted = columns
         self._messages: list[decode_pb2.GenerateStreamResponse] = []
+        self._columns: list[_Columns] = []  # one per message
         self._sealed = True  # the last message takes no more (start a new one)
         self._waiting: dict[str, decode_pb2.GenerateResponse] = {}  # request id -> unsent
+        self._waiting_deltas: dict[str, tuple[_Columns, int]] = {}  # request id -> its entry
         self.ready = asyncio.Event()
 
     def response(
@@ -64,15 +98,40 @@ class Outbox:
             if text:
                 resp.text += text
             return resp
-        resp = self._waiting[request_id] = self._open().responses.add(
+        message, _ = self._open()
+        resp = self._waiting[request_id] = message.responses.add(
             request_id=request_id, token_ids=token_ids, text=text
         )
         return resp
 
+    def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
+        """Plain news of a request, neither its first nor its last: a TokenDeltas entry
+        where the reader takes columns (merged into the request's entry still waiting),
+        else, or while a response of the request waits, its response."""
+        if not self._columns_wanted or request_id in self._waiting:
+            self.response(request_id, token_ids, text)
+            return
+        self.ready.set()
+        entry = self._waiting_deltas.get(request_id)
+        if entry is not None:
+            if self._on_merge is not None:
+                self._on_merge()
+            columns, i = entry
+            columns.token_ids[i] = columns.token_ids[i] + token_ids
+            columns.texts[i] += text
+            return
+        _, columns = self._open()
+        self._waiting_deltas[request_id] = (columns, len(columns.request_ids))
+        columns.request_ids.append(request_id)
+        columns.token_ids.append(token_ids)
+        columns.texts.append(text)
+
     def error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         self.ready.set()
-        self._waiting.pop(request_id, None)  # nothing joins a response before its error
-        self._open().errors.add(request_id=request_id, code=code.value[0], message=message)
+        # nothing joins a response before its error
+        self._waiting.pop(request_id, None)
+        self._waiting_deltas.pop(request_id, None)
+        self._open()[0].errors.add(request_id=request_id, code=code.value[0], message=message)
 
     def seal(self) -> None:
         """Start a new message for what comes next (after a large first response)."""
@@ -80,15 +139,23 @@ class Outbox:
 
     def take(self) -> list[decode_pb2.GenerateStreamResponse]:
         self.ready.clear()
-        messages, self._messages, self._sealed = self._messages, [], True
+        for message, columns in zip(self._messages, self._columns):
+            if columns.request_ids:
+                columns.write_into(message.deltas)
+        messages, self._messages, self._columns, self._sealed = self._messages, [], [], True
         self._waiting.clear()
+        self._waiting_deltas.clear()
         return messages
 
-    def _open(self) -> decode_pb2.GenerateStreamResponse:
-        if self._sealed or len(self._messages[-1].responses) >= _MAX_RESPONSES_PER_MESSAGE:
+    def _open(self) -> tuple[decode_pb2.GenerateStreamResponse, _Columns]:
+        """The message that takes the next item (counted here)."""
+        if self._sealed or self._columns[-1].items >= _MAX_RESPONSES_PER_MESSAGE:
             self._messages.append(decode_pb2.GenerateStreamResponse())
+            self._columns.append(_Columns())
             self._sealed = False
-        return self._messages[-1]
+        columns = self._columns[-1]
+        columns.items += 1
+        return self._messages[-1], columns
 
 
 class OutboxSink:
@@ -167,11 +234,12 @@ async def serve_one(generate, request, on_merge: Callable[[], None] | None = Non
 
 class MuxSession:
     """One GenerateStream call. `generate(start, outbox)` is the servicer's request
-    lifecycle, writing into the outbox through an OutboxSink."""
+    lifecycle, writing into the outbox through an OutboxSink; `columns`: the router
+    reads TokenDeltas (it said so in the call's metadata, DELTAS_METADATA)."""
 
-    def __init__(self, generate, on_merge: Callable[[], None] | None = None):
+    def __init__(self, generate, on_merge: Callable[[], None] | None = None, columns: bool = False):
         self._generate = generate
-        self.outbox = Outbox(on_merge)
+        self.outbox = Outbox(on_merge, columns)
         self.tasks: dict[str, asyncio.Task] = {}
         self.draining = False
 

@@ -30,8 +30,15 @@ class ResponseBuilder:
         first = self.sent_tokens == 0
         new_ids = completion.token_ids_from(self.sent_tokens)
         text = completion.text[self.sent_chars :]
-        resp = outbox.response(self.rid, new_ids, text)
         params = self.params
+        if not (first or out.finished) and params.logprobs is None:
+            # the plain middle of the output: tokens and text only (a TokenDeltas entry)
+            if new_ids or text:
+                outbox.delta(self.rid, new_ids, text)
+                self.sent_tokens = completion.num_token_ids
+                self.sent_chars += len(text)
+            return
+        resp = outbox.response(self.rid, new_ids, text)
         if params.logprobs is not None and completion.logprobs:
             for tid, entry in zip(new_ids, completion.logprobs[self.sent_tokens :]):
                 resp.logprobs.append(convert.logprob_to_pb(tid, entry, params.logprobs))

@@ -18,7 +18,7 @@ from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import convert
 from services.common.errors import RequestExistsError
 from services.common.server import WorkerContext, load_report
-from services.decode.mux import MuxSession, Outbox, OutboxSink, serve_one
+from services.decode.mux import DELTAS_METADATA, MuxSession, Outbox, OutboxSink, serve_one
 from services.decode.remote_prefill import PrefillPeers, PrefillTimings, RemotePrefill
 from services.decode.responses import ResponseBuilder
 from services.engine import apply_chat_template
@@ -113,7 +113,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GenerateStream(self, request_iterator, context):
         """Many requests over one stream, a message per engine step (mux.py)."""
-        session = MuxSession(self._generate_into, self.ctx.metrics.merged_responses.inc)
+        columns = DELTAS_METADATA in tuple(context.invocation_metadata() or ())
+        session = MuxSession(self._generate_into, self.ctx.metrics.merged_responses.inc, columns)
         if self.ctx.draining:
             session.drain()
         self.sessions.add(session)

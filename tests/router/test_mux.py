@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from router.mux import DecodeMux, WorkerCallError
+from router.mux import DecodeMux, TokenDelta, WorkerCallError
 from services.engine import SamplingParams
 from tests.workers.procs import start_worker
 
@@ -125,24 +125,30 @@ def test_stream_to_passes_responses_on_in_order_and_ends_with_the_last(decode, c
         async with grpc.aio.insecure_channel(decode.address) as channel:
             mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
             request = mux.open(_gen("sunk", prompt, 24), 60)
-            tokens = list((await request.__anext__()).token_ids)
+            first = await request.__anext__()
+            tokens = list(first.token_ids)
             await _until_queued(request, 3)  # some arrive before the sink is set
-            finals = []
+            finals, kinds = [], [type(first)]
 
             def sink(resp):
                 tokens.extend(resp.token_ids)
                 finals.append(resp.finish_reason)
+                kinds.append(type(resp))
 
             request.stream_to(sink)
             rest = [resp async for resp in request]  # nothing but the end
             request.cancel()
             await mux.close()
-            return tokens, finals, rest, request.completed
+            return tokens, finals, rest, request.completed, kinds
 
-    tokens, finals, rest, completed = asyncio.run(run())
+    tokens, finals, rest, completed, kinds = asyncio.run(run())
     assert tokens == ref
     assert rest == [] and completed
     assert finals[-1] and not any(finals[:-1])  # the last response, once, at the end
+    # the first and last as GenerateResponses, the middle as the worker's TokenDeltas
+    response = decode_pb2.GenerateResponse
+    assert kinds[0] is response and kinds[-1] is response
+    assert TokenDelta in kinds[1:-1]
     decode.wait_all_blocks_free(timeout=1.0)
 
 
@@ -176,3 +182,44 @@ def test_an_error_after_queued_responses_still_reaches_the_iteration(decode, col
     assert len(sunk) == queued >= 2  # every response before the error, none after
     assert first.token_ids and all(r.token_ids for r in sunk)
     decode.wait_all_blocks_free(timeout=1.0)
+
+
+class _BrokenColumns:
+    """A fault injected on purpose: a stream whose TokenDeltas do not add up."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def GenerateStream(self, requests, metadata=None):  # noqa: N802 (the stub's name)
+        return self
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        yield self.message
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        pass
+
+
+def test_columns_that_do_not_add_up_fail_the_requests_with_internal():
+    first = decode_pb2.GenerateResponse(request_id="r", token_ids=[5], text="a")
+    bad = decode_pb2.TokenDeltas(request_ids=["r"], token_counts=[2], token_ids=[6], text="b")
+    bad.text_lengths.append(1)
+    message = decode_pb2.GenerateStreamResponse(responses=[first], deltas=bad)
+
+    async def run():
+        # the columns are checked before anything in the message is passed on
+        mux = DecodeMux(_BrokenColumns(message))
+        request = mux.open(decode_pb2.GenerateRequest(request_id="r"), 60)
+        with pytest.raises(WorkerCallError) as e:
+            await _collect(request)
+        await mux.close()
+        return e.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "malformed TokenDeltas" in error.details()
+    assert "summing to 2 for 1 tokens" in error.details()

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.engine import SamplingParams
 from tests.workers.procs import worker_pair
 from tests.workers.test_disaggregated import expected, prompt_set
 
@@ -38,15 +39,19 @@ def _start(rid, prompt, prefill=None, max_tokens=MAX_TOKENS, timeout=60.0, **par
 
 
 class Stream:
-    """One GenerateStream call: send starts and cancels, collect per request."""
+    """One GenerateStream call: send starts and cancels, collect per request. With
+    `deltas` it asks for TokenDeltas (as the router does) and reads their columns
+    here, by the proto's own rule, not through the router's reader."""
 
-    def __init__(self, decode):
+    def __init__(self, decode, deltas=False):
         self.channel = grpc.aio.insecure_channel(decode.address)
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.tokens: dict[str, list[int]] = {}
+        self.texts: dict[str, str] = {}
         self.finals: dict[str, decode_pb2.GenerateResponse] = {}
         self.errors: dict[str, decode_pb2.GenerateStreamError] = {}
         self.messages = 0
+        self.delta_entries = 0
         self.first_token = asyncio.Event()
 
         async def requests():
@@ -54,7 +59,15 @@ class Stream:
                 yield m
 
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self.call = stub.GenerateStream(requests())
+        metadata = (("x-pdserve-token-deltas", "1"),) if deltas else None
+        self.call = stub.GenerateStream(requests(), metadata=metadata)
+
+    def _news(self, rid, token_ids, text):
+        assert rid not in self.finals  # nothing after the last response
+        self.tokens.setdefault(rid, []).extend(token_ids)
+        self.texts[rid] = self.texts.get(rid, "") + text
+        if token_ids:
+            self.first_token.set()
 
     async def read_until(self, done, timeout=60.0):
         if done(self):
@@ -62,10 +75,16 @@ class Stream:
         async with asyncio.timeout(timeout):
             async for message in self.call:
                 self.messages += 1
+                d = message.deltas  # read first: a request's deltas precede its responses
+                t = c = 0
+                for rid, n, length in zip(d.request_ids, d.token_counts, d.text_lengths):
+                    assert rid in self.tokens  # never a request's first response
+                    self._news(rid, d.token_ids[t : t + n], d.text[c : c + length])
+                    t, c = t + n, c + length
+                    self.delta_entries += 1
+                assert (t, c) == (len(d.token_ids), len(d.text))
                 for resp in message.responses:
-                    self.tokens.setdefault(resp.request_id, []).extend(resp.token_ids)
-                    if resp.token_ids:
-                        self.first_token.set()
+                    self._news(resp.request_id, resp.token_ids, resp.text)
                     if resp.finish_reason:
                         self.finals[resp.request_id] = resp
                 for err in message.errors:
@@ -78,13 +97,15 @@ class Stream:
         await self.channel.close()
 
 
-def test_many_requests_on_one_stream_equal_the_colocated_engine(pair, colocated):
+@pytest.mark.parametrize("deltas", [False, True], ids=["responses", "token deltas"])
+def test_many_requests_on_one_stream_equal_the_colocated_engine(pair, colocated, deltas):
     prefill, decode = pair
     prompts = prompt_set(colocated.tokenizer)
-    refs = expected(colocated, prompts, MAX_TOKENS)
+    outs = colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    refs = [o.output.token_ids for o in outs]
 
     async def run():
-        s = Stream(decode)
+        s = Stream(decode, deltas)
         for i, p in enumerate(prompts):  # half through the prefill worker, half local
             s.outgoing.put_nowait(_start(f"r{i}", p, prefill if i % 2 else None))
         await s.read_until(lambda s: len(s.finals) == len(prompts))
@@ -94,21 +115,28 @@ def test_many_requests_on_one_stream_equal_the_colocated_engine(pair, colocated)
     s = asyncio.run(run())
     assert not s.errors
     assert [s.tokens[f"r{i}"] for i in range(len(prompts))] == refs
+    assert [s.texts[f"r{i}"] for i in range(len(prompts))] == [o.output.text for o in outs]
     for i, p in enumerate(prompts):
         assert s.finals[f"r{i}"].usage.prompt_tokens == len(p)
+    # the plain middle of each output goes as columns only where the caller asked
+    if deltas:
+        assert s.delta_entries > 0
+    else:
+        assert s.delta_entries == 0
     # one message per step carries every request's token: far fewer than one per token
     assert s.messages < sum(map(len, refs))
     prefill.wait_all_blocks_free()
     decode.wait_all_blocks_free()
 
 
-def test_errors_cancels_and_deadlines_stay_with_their_request(pair, colocated):
+@pytest.mark.parametrize("deltas", [False, True], ids=["responses", "token deltas"])
+def test_errors_cancels_and_deadlines_stay_with_their_request(pair, colocated, deltas):
     prefill, decode = pair
     prompt = colocated.tokenizer.encode("The capital of France is")
     (ref,) = expected(colocated, [prompt], MAX_TOKENS)
 
     async def run():
-        s = Stream(decode)
+        s = Stream(decode, deltas)
         s.outgoing.put_nowait(_start("long", prompt, prefill, max_tokens=4000, ignore_eos=True))
         s.outgoing.put_nowait(_start("late", prompt, max_tokens=4000, ignore_eos=True, timeout=1))
         s.outgoing.put_nowait(_start("bad", [10**9]))  # a token id outside the vocabulary

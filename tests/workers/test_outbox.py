@@ -14,6 +14,7 @@ from services.decode.mux import Outbox, OutboxSink
 from services.decode.responses import ResponseBuilder
 from services.engine import RequestOutput, SamplingParams
 from services.engine.outputs import CompletionOutput
+from services.engine.sequence import Logprob
 
 PROMPT = [11, 12, 13]
 
@@ -95,5 +96,88 @@ def test_an_output_that_goes_back_fails_the_request_instead_of_resending_tokens(
         assert [list(r.token_ids) for r in _responses(outbox.take())] == [[5, 6, 7]]
         assert a.done.done()
         assert "1 tokens arrived after 3 were sent" in str(a.done.exception())
+
+    asyncio.run(run())
+
+
+def _read(messages):
+    """Every request's (tokens, text) in reading order: each message's TokenDeltas
+    columns first, then its responses; and which requests came as deltas."""
+    news, via_deltas = [], set()
+    for m in messages:
+        d = m.deltas
+        assert len(d.request_ids) == len(d.token_counts) == len(d.text_lengths)
+        t = c = 0
+        for rid, n, length in zip(d.request_ids, d.token_counts, d.text_lengths):
+            news.append((rid, list(d.token_ids[t : t + n]), d.text[c : c + length], 0))
+            via_deltas.add(rid)
+            t, c = t + n, c + length
+        assert (t, c) == (len(d.token_ids), len(d.text))
+        news += [(r.request_id, list(r.token_ids), r.text, r.finish_reason) for r in m.responses]
+    return news, via_deltas
+
+
+def test_columns_carry_the_plain_middle_and_merge_while_the_reader_is_behind():
+    async def run():
+        counted = []
+        outbox = Outbox(on_merge=lambda: counted.append(1), columns=True)
+        a, b = _sink("a", outbox), _sink("b", outbox)
+        a.put_nowait(_output("a", [5], "x"))  # first: a response (the prompt's place)
+        b.put_nowait(_output("b", [7], "p"))
+        news, via_deltas = _read(outbox.take())
+        assert news == [("a", [5], "x", 0), ("b", [7], "p", 0)] and not via_deltas
+        a.put_nowait(_output("a", [5, 6], "xé"))  # a multi-byte character's length
+        b.put_nowait(_output("b", [7, 8], "pq"))
+        a.put_nowait(_output("a", [5, 6, 9], "xéz"))  # merged into a's waiting entry
+        assert len(counted) == 1
+        (message,) = outbox.take()
+        assert list(message.deltas.request_ids) == ["a", "b"] and not message.responses
+        assert list(message.deltas.text_lengths) == [2, 1]
+        news, _ = _read([message])
+        assert news == [("a", [6, 9], "éz", 0), ("b", [8], "q", 0)]
+        # the last response follows a waiting delta in the same message, read after it
+        a.put_nowait(_output("a", [5, 6, 9, 4], "xézw"))
+        a.put_nowait(_output("a", [5, 6, 9, 4, 3], "xézwv", finish="length"))
+        news, via_deltas = _read(outbox.take())
+        assert news == [("a", [4], "w", 0), ("a", [3], "v", common_pb2.FINISH_REASON_LENGTH)]
+        assert via_deltas == {"a"} and a.done.result() is True
+        # an error drops the waiting entry's place for merging; it is read after it
+        b.put_nowait(_output("b", [7, 8, 1], "pqr"))
+        outbox.error("b", grpc.StatusCode.INTERNAL, "boom")
+        messages = outbox.take()
+        assert _read(messages)[0] == [("b", [1], "r", 0)]
+        assert [e.request_id for m in messages for e in m.errors] == ["b"]
+
+    asyncio.run(run())
+
+
+def test_without_columns_the_middle_goes_as_responses():
+    async def run():
+        outbox = Outbox()  # Generate's, and a router that did not ask for columns
+        a = _sink("a", outbox)
+        a.put_nowait(_output("a", [5], "x"))
+        outbox.take()
+        a.put_nowait(_output("a", [5, 6], "xy"))
+        (message,) = outbox.take()
+        assert not message.HasField("deltas")
+        assert [(list(r.token_ids), r.text) for r in message.responses] == [([6], "y")]
+
+    asyncio.run(run())
+
+
+def test_logprobs_requests_never_go_as_columns():
+    async def run():
+        outbox = Outbox(columns=True)
+        request = decode_pb2.GenerateRequest(request_id="a")
+        params = SamplingParams(max_tokens=3, logprobs=0)
+        sink = OutboxSink(ResponseBuilder(None, "a", request, PROMPT, params), outbox)
+        sink.start()
+        lps = [{5: Logprob(-0.5, 1, "x")}, {6: Logprob(-0.25, 1, "y")}]
+        for n in (1, 2):
+            completion = CompletionOutput(0, "xy"[:n], [5, 6][:n], logprobs=lps[:n])
+            sink.put_nowait(RequestOutput("a", PROMPT, [completion], finished=False))
+            (message,) = outbox.take()
+            assert not message.deltas.request_ids
+            assert [lp.token_id for r in message.responses for lp in r.logprobs] == [4 + n]
 
     asyncio.run(run())

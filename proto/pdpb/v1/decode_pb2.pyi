@@ -73,13 +73,29 @@ class GenerateStreamError(_message.Message):
     message: str
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class TokenDeltas(_message.Message):
+    __slots__ = ("request_ids", "token_counts", "token_ids", "text", "text_lengths")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    text_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., text_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("responses", "errors")
+    __slots__ = ("deltas", "responses", "errors")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    deltas: TokenDeltas
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
     errors: _containers.RepeatedCompositeFieldContainer[GenerateStreamError]
-    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[GenerateStreamError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, deltas: _Optional[_Union[TokenDeltas, _Mapping]] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[GenerateStreamError, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "prefill_seconds", "kv_transfer_seconds", "prefill_fallback")
