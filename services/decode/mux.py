@@ -26,6 +26,7 @@ import grpc
 from pdpb.v1 import decode_pb2
 from services.common.errors import EngineFailedError
 from services.common.interceptor import status_of
+from services.engine.output_deltas import News
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,20 @@ class OutboxSink:
     def _take(self, item) -> None:
         if self.done.done():
             return
-        if isinstance(item, asyncio.CancelledError):  # Abort()
+        if item.__class__ is News:  # the usual item: first
+            sent = self.builder.sent_tokens
+            if item.num_token_ids - len(item.new_token_ids) == sent:
+                self.builder.fill_news(item, self.outbox)
+            else:
+                # news carries only what is new: one out of its place would lose or
+                # resend tokens, so fail the request
+                self.done.set_exception(
+                    RuntimeError(
+                        f"news of tokens {item.num_token_ids - len(item.new_token_ids)}.."
+                        f"{item.num_token_ids} arrived after {sent} were sent"
+                    )
+                )
+        elif isinstance(item, asyncio.CancelledError):  # Abort()
             self.builder.fill_aborted(self.outbox)
             self.done.set_result(False)
         elif isinstance(item, BaseException):

@@ -9,6 +9,7 @@ from pdpb.v1 import common_pb2
 from services.common import convert
 from services.decode.remote_prefill import PrefillTimings
 from services.engine import RequestOutput
+from services.engine.output_deltas import News
 
 
 class ResponseBuilder:
@@ -62,6 +63,19 @@ class ResponseBuilder:
                 )
             )
             resp.timings.CopyFrom(convert.timings_to_pb(self.timings))
+
+    def fill_news(self, news: News, outbox) -> None:
+        """Append a News (the plain middle of the output, from the engine process's
+        deltas) to this request's response in `outbox`: a TokenDeltas entry where the
+        reader takes them."""
+        if self.sent_tokens == 0:  # nothing sent yet: a response, with the prompt if asked
+            resp = outbox.response(self.rid, news.new_token_ids, news.new_text)
+            if self.request.return_prompt:
+                self._add_prompt(resp)
+        elif news.new_token_ids or news.new_text:
+            outbox.delta(self.rid, news.new_token_ids, news.new_text)
+        self.sent_tokens = news.num_token_ids
+        self.sent_chars += len(news.new_text)
 
     def fill_aborted(self, outbox) -> None:
         """The last response of a request ended by Abort()."""

@@ -64,19 +64,23 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_ids: list[int], check_stop: bool) -> str | None:
         """Append tokens; returns the stop string that matched, if any (text is then
         truncated at it)."""
+        delta = self.step(new_ids)
+        if delta and check_stop and self.params.stop:
+            return self._truncate_at_stop(len(delta))
+        return None
+
+    def step(self, new_ids: list[int]) -> str:
+        """Append tokens, matching no stop string; returns the text they add."""
         if self.tokenizer is None:
-            return None
+            return ""
         if self._stream is not None:
             delta = self._stream_delta(new_ids)
         else:
             self.token_ids.extend(new_ids)
             delta = self._window_delta()
-        if not delta:
-            return None
-        self.text += delta
-        if check_stop and self.params.stop:
-            return self._truncate_at_stop(len(delta))
-        return None
+        if delta:
+            self.text += delta
+        return delta
 
     def _window_delta(self) -> str:
         """The text the tokens past the read offset add, decoded with the window

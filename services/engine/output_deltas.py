@@ -6,7 +6,9 @@ sends what is new since the request's previous output instead, made straight fro
 sequences (LLMEngine.delta_outputs: no RequestOutput is built there), and the receiving
 process rebuilds RequestOutputs from its own copy of each request's tokens, text and
 logprobs (DeltaDecoder), so the code that reads outputs is the same on both sides of
-the boundary.
+the boundary. The plain middle of an output (neither its first delta nor its last, no
+logprobs) becomes only its News instead: the decode worker's reader
+(services/decode/responses.py) takes both, and needs no more than the news from it.
 
 Text is made where it is needed: the engine must detokenize a request with stop
 strings (it stops on them), and only those; the receiving side detokenizes the others
@@ -56,6 +58,22 @@ def make_delta(
     )
 
 
+class News:
+    """A request's plain news from one step: new tokens and the text they add, in the
+    middle of its output (not its first delta or its last, no logprobs). The receiving
+    side hands this on instead of a RequestOutput, whose whole-output copy the reader
+    would only cut back to the same news (decode/responses.py). num_token_ids counts
+    the request's output tokens with these."""
+
+    __slots__ = ("request_id", "new_token_ids", "new_text", "num_token_ids")
+
+    def __init__(self, request_id: str, new_token_ids: list[int], new_text: str, n: int):
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self.new_text = new_text
+        self.num_token_ids = n
+
+
 class _Copy:
     __slots__ = ("token_ids", "text", "logprobs", "prompt_token_ids", "prompt_logprobs", "detok")
 
@@ -80,9 +98,18 @@ class DeltaDecoder:
         the engine sends its tokens without text."""
         self._detoks[request_id] = detok
 
-    def decode(self, delta: Delta) -> RequestOutput:
+    def decode(self, delta: Delta) -> RequestOutput | News:
+        """The request's output so far, or only its News where the delta is the plain
+        middle of the output."""
         rid, new_ids, new_text, new_lps, finished, reason, stop, cached, first = delta
         copy = self._copies.get(rid)
+        if copy is not None and first is None and not finished and new_lps is None:
+            copy.token_ids += new_ids
+            if copy.detok is None:
+                copy.text += new_text
+            else:  # its text is taken from the detokenizer when an output is built
+                new_text = copy.detok.step(new_ids)  # no stop strings: the engine's rule
+            return News(rid, new_ids, new_text, len(copy.token_ids))
         if copy is None or first is not None:
             prompt_ids, prompt_lps = first if first is not None else ([], None)
             detok = self._detoks.pop(rid, None)
@@ -92,7 +119,7 @@ class DeltaDecoder:
         if detok is None:
             copy.text += new_text
         else:
-            detok.add_tokens(new_ids, check_stop=False)  # no stop strings: the engine's rule
+            detok.step(new_ids)
             if finished:
                 detok.flush()
             copy.text = detok.text

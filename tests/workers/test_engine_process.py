@@ -20,7 +20,7 @@ import pytest
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.output_deltas import DeltaDecoder
+from services.engine.output_deltas import DeltaDecoder, News
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import StructuredOutput
 from tests.engine.helpers import assert_all_blocks_free
@@ -80,7 +80,8 @@ def test_deltas_rebuild_every_output(colocated):
     """Unit: an engine with delta outputs (an engine process's) sends deltas that
     DeltaDecoder turns back into the outputs the same engine returns without them,
     output after output (tokens, text, logprobs, prompt logprobs, finish and stop
-    reasons); it detokenizes only requests with stop strings, and the receiving side
+    reasons), the plain middle of an output as the News that extends the output before
+    it; it detokenizes only requests with stop strings, and the receiving side
     makes the others' text. Neither side keeps state for an ended request, and every
     block comes back."""
     tok = colocated.tokenizer
@@ -91,6 +92,8 @@ def test_deltas_rebuild_every_output(colocated):
         "logprobs": SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1),
     }
     engine = colocated.engine
+
+    news: list[str] = []  # the requests that got News (the plain middle)
 
     def run(decoder: DeltaDecoder | None) -> dict[str, list[tuple]]:
         seen: dict[str, list[tuple]] = {}
@@ -106,7 +109,16 @@ def test_deltas_rebuild_every_output(colocated):
                     if not out[0].startswith("stop"):
                         assert out[2] == ""  # no text from the engine
                     out = decoder.decode(out)
-                seen.setdefault(out.request_id, []).append(_snapshot(out))
+                if isinstance(out, News):  # the plain middle: the last snapshot plus it
+                    last = seen[out.request_id][-1]
+                    assert last[4] is None and not last[5]  # no logprobs, not finished
+                    tokens = last[2] + out.new_token_ids
+                    assert out.num_token_ids == len(tokens)
+                    snapshot = (*last[:2], tokens, last[3] + out.new_text, *last[4:])
+                    seen[out.request_id].append(snapshot)
+                    news.append(out.request_id)
+                else:
+                    seen.setdefault(out.request_id, []).append(_snapshot(out))
         return seen
 
     want = run(None)
@@ -117,6 +129,8 @@ def test_deltas_rebuild_every_output(colocated):
     finally:
         engine.delta_outputs = False
     assert got == want
+    # News for the plain middle of the outputs without logprobs, and only for those
+    assert {rid[:-1] for rid in news} == {"plain", "stop"}
     assert all(outs[-1][5] for outs in got.values())  # every request finished
     assert "five" not in got["stop1"][-1][3]  # the engine's stop string cut the text
     assert got["logprobs0"][-1][9] is not None  # prompt logprobs crossed in the first delta

@@ -13,6 +13,7 @@ from pdpb.v1 import common_pb2, decode_pb2
 from services.decode.mux import Outbox, OutboxSink
 from services.decode.responses import ResponseBuilder
 from services.engine import RequestOutput, SamplingParams
+from services.engine.output_deltas import News
 from services.engine.outputs import CompletionOutput
 from services.engine.sequence import Logprob
 
@@ -179,5 +180,24 @@ def test_logprobs_requests_never_go_as_columns():
             (message,) = outbox.take()
             assert not message.deltas.request_ids
             assert [lp.token_id for r in message.responses for lp in r.logprobs] == [4 + n]
+
+    asyncio.run(run())
+
+
+def test_news_goes_as_columns_and_news_out_of_place_fails_the_request():
+    async def run():
+        outbox = Outbox(columns=True)
+        a, b = _sink("a", outbox), _sink("b", outbox)
+        for sink, rid in ((a, "a"), (b, "b")):
+            sink.put_nowait(_output(rid, [5], "x"))  # the first output: a response
+        outbox.take()
+        a.put_nowait(News("a", [6, 7], "yz", 3))
+        b.put_nowait(News("b", [8], "w", 3))  # tokens 2..3 after 1 sent: one is missing
+        news, via_deltas = _read(outbox.take())
+        assert news == [("a", [6, 7], "yz", 0)] and via_deltas == {"a"}
+        assert "news of tokens 2..3 arrived after 1 were sent" in str(b.done.exception())
+        a.put_nowait(_output("a", [5, 6, 7, 9], "xyzv", finish="stop"))  # the whole output
+        (last,) = [r for m in outbox.take() for r in m.responses]
+        assert (list(last.token_ids), last.text, last.usage.completion_tokens) == ([9], "v", 4)
 
     asyncio.run(run())
