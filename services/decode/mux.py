@@ -186,7 +186,7 @@ class OutboxSink:
             return
         if item.__class__ is News:  # the usual item: first
             sent = self.builder.sent_tokens
-            if item.num_token_ids - len(item.new_token_ids) == sent:
+            if sent and item.num_token_ids - len(item.new_token_ids) == sent:
                 self.builder.fill_news(item, self.outbox)
             else:
                 # news carries only what is new: one out of its place would lose or

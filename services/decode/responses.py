@@ -33,11 +33,7 @@ class ResponseBuilder:
         text = completion.text[self.sent_chars :]
         params = self.params
         if not (first or out.finished) and params.logprobs is None:
-            # the plain middle of the output: tokens and text only (a TokenDeltas entry)
-            if new_ids or text:
-                outbox.delta(self.rid, new_ids, text)
-                self.sent_tokens = completion.num_token_ids
-                self.sent_chars += len(text)
+            self._add_plain(new_ids, text, completion.num_token_ids, outbox)
             return
         resp = outbox.response(self.rid, new_ids, text)
         if params.logprobs is not None and completion.logprobs:
@@ -66,16 +62,17 @@ class ResponseBuilder:
 
     def fill_news(self, news: News, outbox) -> None:
         """Append a News (the plain middle of the output, from the engine process's
-        deltas) to this request's response in `outbox`: a TokenDeltas entry where the
-        reader takes them."""
-        if self.sent_tokens == 0:  # nothing sent yet: a response, with the prompt if asked
-            resp = outbox.response(self.rid, news.new_token_ids, news.new_text)
-            if self.request.return_prompt:
-                self._add_prompt(resp)
-        elif news.new_token_ids or news.new_text:
-            outbox.delta(self.rid, news.new_token_ids, news.new_text)
-        self.sent_tokens = news.num_token_ids
-        self.sent_chars += len(news.new_text)
+        deltas: never its first, OutboxSink checks its place) to this request's
+        response in `outbox`."""
+        self._add_plain(news.new_token_ids, news.new_text, news.num_token_ids, outbox)
+
+    def _add_plain(self, new_ids: list[int], text: str, num_token_ids: int, outbox) -> None:
+        """The plain middle of the output: tokens and text only (a TokenDeltas entry
+        where the reader takes them)."""
+        if new_ids or text:
+            outbox.delta(self.rid, new_ids, text)
+            self.sent_tokens = num_token_ids
+            self.sent_chars += len(text)
 
     def fill_aborted(self, outbox) -> None:
         """The last response of a request ended by Abort()."""

@@ -103,7 +103,13 @@ class DeltaDecoder:
         middle of the output."""
         rid, new_ids, new_text, new_lps, finished, reason, stop, cached, first = delta
         copy = self._copies.get(rid)
-        if copy is not None and first is None and not finished and new_lps is None:
+        if (  # the plain middle: tokens went before (so the builder has sent some)
+            copy is not None
+            and copy.token_ids
+            and first is None
+            and not finished
+            and new_lps is None
+        ):
             copy.token_ids += new_ids
             if copy.detok is None:
                 copy.text += new_text
