@@ -14,13 +14,15 @@ Workloads (N concurrent requests, all submitted at once):
 transformers serves N requests two ways: "batched" (one left-padded generate() call that
 runs until the longest request is done) and "sequential" (one generate() per request,
 what generate() behind a server without a batcher does). pdserve runs them with
-continuous batching.
+continuous batching. Each row runs both sides --repeats times in turns and gives the
+medians (and ranges): a single run of either moved by 10-30% on a shared 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from statistics import median
 
 import torch
 
@@ -93,7 +95,21 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--kernel-choices", default=None, help="tuned backend overrides")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each side per row, in turns; the table gives medians (and ranges)",
+    )
+    parser.add_argument(
+        "--sequential-repeats",
+        type=int,
+        default=1,
+        help="runs of transformers' slow sequential mode per row (of --repeats)",
+    )
     args = parser.parse_args()
+    if args.repeats < 1 or not 1 <= args.sequential_repeats <= args.repeats:
+        parser.error("--repeats must be >= 1 and --sequential-repeats in [1, --repeats]")
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
@@ -127,14 +143,27 @@ def main() -> None:
     for n in args.concurrency:
         for kind in args.workloads if n > 1 else ["equal"]:
             prompts, outs = workload(kind, n, args.max_tokens)
-            ours = bench_pdserve(llm, prompts, outs)
-            for mode in ("batched", "sequential") if n > 1 else ("batched",):
-                hf = bench_transformers(model, tok, prompts, outs, mode)
+            modes = ("batched", "sequential") if n > 1 else ("batched",)
+            ours, theirs = [], {mode: [] for mode in modes}
+            for _ in range(args.repeats):  # in turns: a shared machine's drift hits both
+                ours.append(bench_pdserve(llm, prompts, outs))
+                for mode in modes:
+                    if mode == "batched" or len(theirs[mode]) < args.sequential_repeats:
+                        theirs[mode].append(bench_transformers(model, tok, prompts, outs, mode))
+            for mode in modes:
+                hf, us = median(theirs[mode]), median(ours)
                 print(
-                    f"| {n} | {kind} | {mode if n > 1 else 'one call'} | {hf:.1f} | "
-                    f"{ours:.1f} | {ours / hf:.2f}x |",
+                    f"| {n} | {kind} | {mode if n > 1 else 'one call'} | {_spread(theirs[mode])} "
+                    f"| {_spread(ours)} | {us / hf:.2f}x |",
                     flush=True,
                 )
+
+
+def _spread(values: list[float]) -> str:
+    """The median, and the range when there are several runs."""
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 if __name__ == "__main__":
