@@ -33,7 +33,8 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        # a registered block's tokens: a list, compared with slices of a sequence's list
+        self.token_ids: list[int] | tuple[()] = ()
 
 
 class BlockManager:
@@ -70,15 +71,14 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         hits: list[int] = []
-        prev = None
         for i in range(max_blocks):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(prev, tokens)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            block_id = self.hash_to_block.get(self.block_hash(seq, i))
+            if (
+                block_id is None
+                or self.blocks[block_id].token_ids != seq.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break
             hits.append(block_id)
-            prev = h
         self.prefix_queries += max_blocks
         self.prefix_hits += len(hits)
         return hits
@@ -90,16 +90,27 @@ class BlockManager:
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(prev, tokens)
+            h = self.block_hash(seq, i)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h in self.hash_to_block:
                 continue  # same content already cached in another block: keep that one
             block.block_hash = h
-            block.token_ids = tuple(tokens)
+            block.token_ids = seq.token_ids[i * bs : (i + 1) * bs]
             self.hash_to_block[h] = block.block_id
+
+    def block_hash(self, seq: Sequence, i: int) -> int:
+        """The chained hash of seq's token block i (full), made once per sequence and
+        kept on it: a prompt that waits for memory is looked up again every step, and
+        its blocks are hashed again when they join the cache."""
+        hashes = seq.token_block_hashes
+        bs = self.block_size
+        while len(hashes) <= i:
+            j = len(hashes)
+            hashes.append(
+                hash_block(hashes[-1] if j else None, seq.token_ids[j * bs : (j + 1) * bs])
+            )
+        return hashes[i]
 
     # -- allocation ---------------------------------------------------------------------
 

@@ -38,6 +38,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
+    # the chained hashes of its token blocks as far as they were looked up, each made
+    # once (token ids only grow): BlockManager.block_hash reads and extends it
+    token_block_hashes: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # one per prompt token after the first, collected chunk by chunk
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)

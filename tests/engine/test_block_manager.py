@@ -95,3 +95,38 @@ def test_running_reference_total_matches_the_pool_through_random_work():
     for seq in live:
         bm.free(seq)
     assert bm.total_refs == 0 and bm.num_free_blocks == 32
+
+
+def test_a_waiting_prompt_is_hashed_once(monkeypatch):
+    """A prompt that waits for memory is looked up every step, and its blocks are
+    hashed again when they join the cache: each of its blocks is hashed once, and the
+    lookups still follow the cache as it changes (hits, a miss after eviction)."""
+    from services.engine import block_manager as bm_module
+
+    calls = []
+    real = bm_module.hash_block
+    monkeypatch.setattr(bm_module, "hash_block", lambda *a: calls.append(1) or real(*a))
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = _seq("a", [1, 2, 3, 4, 5])
+    _admit(bm, a)  # blocks [1, 2] and [3, 4] cached
+    cached = a.block_table[:2]
+    bm.free(a)
+    waiting = _seq("w", [1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14])  # 6 blocks: needs 4 more
+    hog = _seq("hog", [20, 21, 22])  # holds 2 of the 4 free blocks
+    assert bm.allocate(hog, hog.num_tokens)
+    calls.clear()
+    for _ in range(3):  # three steps: hits, then too few blocks, all given back
+        hits = bm.find_cached_prefix(waiting)
+        assert hits == cached
+        bm.allocate_prefix(waiting, hits)
+        assert not bm.allocate(waiting, waiting.num_tokens)
+        bm.free(waiting)
+    assert len(calls) == 3  # blocks 0, 1 and the first miss, block 2: once each
+    bm.free(hog)
+    _admit(bm, waiting)
+    assert len(calls) == 5  # registering: only blocks 3 and 4 were new
+    assert waiting.block_hashes == waiting.token_block_hashes[:5]
+    bm.free(waiting)
+    # a different sequence evicts the cached blocks: the same prompt misses now
+    _admit(bm, _seq("other", list(range(100, 111))))
+    assert bm.find_cached_prefix(_seq("w2", waiting.token_ids)) == []
