@@ -128,5 +128,8 @@ def test_a_waiting_prompt_is_hashed_once(monkeypatch):
     assert waiting.block_hashes == waiting.token_block_hashes[:5]
     bm.free(waiting)
     # a different sequence evicts the cached blocks: the same prompt misses now
-    _admit(bm, _seq("other", list(range(100, 111))))
+    other = _seq("other", list(range(100, 111)))
+    _admit(bm, other)
     assert bm.find_cached_prefix(_seq("w2", waiting.token_ids)) == []
+    bm.free(other)
+    assert bm.total_refs == 0 and bm.num_free_blocks == 6
