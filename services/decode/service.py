@@ -56,13 +56,13 @@ class ActiveRequests:
 
     def __init__(self):
         self._keys: dict[str, str] = {}
-        self._instance = uuid.uuid4().hex[:8]
+        self.instance = uuid.uuid4().hex[:8]
         self._serial = itertools.count()
 
     def claim(self, request_id: str) -> str:
         if request_id in self._keys:
             raise RequestExistsError(f"request {request_id} is in flight")
-        key = self._keys[request_id] = f"{request_id}@{self._instance}.{next(self._serial)}"
+        key = self._keys[request_id] = f"{request_id}@{self.instance}.{next(self._serial)}"
         return key
 
     def release(self, request_id: str, key: str) -> None:
@@ -79,6 +79,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.peers = PrefillPeers(ctx)
         self.remote_prefill = RemotePrefill(ctx, self.peers)
         self.active = ActiveRequests()
+        # prefill workers' logs name a request by its key: this line says whose it is
+        log.info("this decode worker's request keys end in @%s.<n>", self.active.instance)
         self.sessions: set[MuxSession] = set()
         ctx.on_drain(self._drain_sessions)
 
