@@ -88,7 +88,9 @@ class Fp8Linear(nn.Module):
         # tensor parallelism: the replaced layer's split (plain attributes, no submodule)
         layer.__dict__["tp_span"] = linear.tp_span
         layer.__dict__["checkpoint_slice"] = linear.checkpoint_slice
-        row = isinstance(linear, RowParallelLinear) and linear.tp.size > 1
+        if hasattr(linear, "shard_rows"):  # a fused layer's checkpoint shards
+            layer.__dict__["shard_rows"] = linear.shard_rows
+        row = isinstance(linear, RowParallelLinear) and linear.tp.size > 1 and linear.reduce_results
         layer.__dict__["reduce"] = linear.tp if row else None
         return layer
 

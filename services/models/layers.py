@@ -67,6 +67,16 @@ class ColumnParallelLinear(Linear):
         rows = self.shards.get(shard, self.shards.get(None))
         return (0, *self._rank_rows(shard, rows))
 
+    def shard_rows(self, shard) -> tuple[int, int]:
+        """(start, size) of a checkpoint shard's rows in this rank's fused weight: the
+        shards lie in order, each this rank's part of it."""
+        start = 0
+        for key, size in self._local.items():
+            if key == shard:
+                return start, size
+            start += size
+        raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projection: each rank holds its query heads and its KV heads (one
@@ -92,15 +102,21 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(Linear):
     """Input features split; each rank's partial product is summed over ranks. The
-    bias is added once: rank 0 holds it, the others hold zeros."""
+    bias is added once: rank 0 holds it, the others hold zeros. reduce_results=False
+    returns the rank's partial product, for a caller that sums it with another partial
+    before one all-reduce (an MoE layer's shared expert)."""
 
-    def __init__(self, in_features, out_features, bias, ops, tp: TPGroup = _SINGLE):
+    def __init__(
+        self, in_features, out_features, bias, ops, tp: TPGroup = _SINGLE, reduce_results=True
+    ):
         self.tp = tp
+        self.reduce_results = reduce_results
         local = divide(in_features, tp.size, f"{type(self).__name__} input")
         super().__init__(local, out_features, bias, ops)
 
     def forward(self, x):
-        return self.tp.all_reduce(self.ops.linear(x, self))
+        out = self.ops.linear(x, self)
+        return self.tp.all_reduce(out) if self.reduce_results else out
 
     def tp_span(self, shard):
         if self.tp.size == 1:

@@ -42,15 +42,17 @@ class Attention(nn.Module):
     parallelism a rank computes its query heads over the KV heads it holds
     (num_heads / num_kv_heads are this rank's)."""
 
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool, tp: TPGroup):
+    def __init__(
+        self, config, ops: KernelBackend, qk_norm: bool, tp: TPGroup, biases: tuple[bool, bool]
+    ):
         super().__init__()
         self.ops = ops
         total_heads = config.num_attention_heads
         total_kv = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        bias = getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = biases
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv, bias, ops, tp
+            config.hidden_size, self.head_dim, total_heads, total_kv, qkv_bias, ops, tp
         )
         self.num_heads = total_heads // tp.size
         self.num_kv_heads = len(self.qkv_proj.kv_heads)  # this rank's
@@ -59,7 +61,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.o_proj = RowParallelLinear(
-            total_heads * self.head_dim, config.hidden_size, bias, ops, tp
+            total_heads * self.head_dim, config.hidden_size, o_bias, ops, tp
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
@@ -90,24 +92,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, ops: KernelBackend, tp: TPGroup):
+    """SiLU-gated MLP. intermediate_size: its width when not the config's (a shared
+    expert's); reduce_results=False: each rank's partial output, summed by the caller."""
+
+    def __init__(
+        self,
+        config,
+        ops: KernelBackend,
+        tp: TPGroup,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ):
         super().__init__()
         self.ops = ops
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, 2 * inter, bias, ops, tp, shards={0: inter, 1: inter}
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ops, tp)
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias, ops, tp, reduce_results=reduce_results
+        )
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool, mlp: nn.Module, tp: TPGroup):
+    def __init__(self, config, ops: KernelBackend, attn: Attention, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Attention(config, ops, qk_norm, tp)
+        self.self_attn = attn
         self.mlp = mlp  # dense MLP, or a mixture of experts (moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -124,11 +138,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ops: KernelBackend, qk_norm: bool, make_mlp, tp: TPGroup):
+    def __init__(self, config, ops: KernelBackend, make_attention, make_mlp, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, qk_norm, make_mlp(config, ops, i), tp)
+            DecoderLayer(config, ops, make_attention(config, ops), make_mlp(config, ops, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -160,13 +174,24 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, ops: KernelBackend, tp: TPGroup | None = None):
         super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":  # every family here has a SiLU-gated MLP (silu_and_mul)
+            raise ValueError(f"hidden_act {act!r} (config.json) is not supported: silu only")
         self.config = config
         self.tp = tp or TPGroup()
-        self.model = LlamaModel(config, ops, self.qk_norm, self.make_mlp, self.tp)
+        self.model = LlamaModel(config, ops, self.make_attention, self.make_mlp, self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ops, self.tp)
         self.tie_weights()
         self.cos_sin_cache = torch.empty(0)
+
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias): Llama's `attention_bias` covers all four."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def make_attention(self, config, ops: KernelBackend) -> Attention:
+        return Attention(config, ops, self.qk_norm, self.tp, self.attention_biases(config))
 
     def make_mlp(self, config, ops: KernelBackend, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer layer_idx (MoE families override this)."""
@@ -191,13 +216,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
-
-    def shard_slice(self, fused_name: str, shard) -> tuple[int, int]:
-        """Row range of this rank's fused parameter that a checkpoint shard fills."""
-        attn = self.model.layers[0].self_attn
-        if fused_name == "qkv_proj":
-            starts = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
-            sizes = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
-            return starts[shard], sizes[shard]
-        inter = self.config.intermediate_size // self.tp.size
-        return shard * inter, inter

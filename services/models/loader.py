@@ -129,7 +129,14 @@ def _checkpoint_names(model, ours: str) -> list[str]:
 
 def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
     """Swap the Linears the quantization covers for Fp8Linears (on the meta device)."""
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
+    # MoE routers and shared-expert gates stay in full precision (as vLLM keeps them)
+    routers = {
+        id(gate)
+        for m in model.modules()
+        if isinstance(m, FusedMoE)
+        for gate in (m.gate, m.shared_expert_gate)
+        if gate is not None
+    }
     swapped = 0
     for name, module in list(model.named_modules()):
         if (
@@ -145,7 +152,7 @@ def _use_fp8_linears(model, quant: QuantConfig, fp8_dtype: torch.dtype) -> None:
         leaf = name.rpartition(".")[2]
         if fmt.granularity == "block" and len(names) > 1:
             for ckpt in names:
-                start, _ = model.shard_slice(leaf, model.packed_modules[ckpt.rpartition(".")[2]][1])
+                start, _ = module.shard_rows(model.packed_modules[ckpt.rpartition(".")[2]][1])
                 if start % fmt.block_n:
                     # a shard starting inside a scale block would share it with another
                     raise ValueError(
@@ -387,12 +394,13 @@ def _load_tensor(
     for ckpt_name, (fused, shard_id) in model.packed_modules.items():
         if f".{ckpt_name}." in name:
             target, shard = name.replace(ckpt_name, fused), shard_id
-            rows = model.shard_slice(fused, shard_id)
             break
     if target not in params:
         raise ValueError(f"unexpected weight {original!r} in checkpoint")
     layer_name, _, leaf = target.rpartition(".")
     layer = _submodule(model, layer_name)
+    if target != name:  # a shard of a fused layer: its rows there (the layer knows them)
+        rows = layer.shard_rows(shard)
     if layer is not None and fp8_format_of(layer) is not None and leaf == "weight":
         start, size = rows if rows is not None else (0, layer.out_features)
         if scale:

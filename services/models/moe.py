@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP layer: a router ("gate") and the experts' weights stacked
-into two tensors, computed by the kernel backend's one `fused_moe` op. Shared by every
-MoE family (Qwen3-MoE, Mixtral; Qwen2-MoE's shared expert or DeepSeek's grouped routing
-would add to this module, not to the engine)."""
+into two tensors, computed by the kernel backend's one `fused_moe` op, plus an optional
+shared expert that every token goes through (Qwen2-MoE). Shared by every MoE family
+(Qwen3-MoE, Mixtral, Qwen2-MoE; DeepSeek's grouped routing would add to this module,
+not to the engine)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ class FusedMoE(nn.Module):
     w13_scale / w2_scale their scales as fp8.Fp8Experts lays them out (block: [E, 2I/bn,
     H/bk] / [E, H/bn, I/bk]; channel: [E, 2I] / [E, H], a per-tensor checkpoint's scale
     repeated on every row), passed to fused_moe as an Fp8Experts; on MI300 the weights
-    become e4m3fnuz and the scales double, as for an Fp8Linear."""
+    become e4m3fnuz and the scales double, as for an Fp8Linear.
+
+    shared_expert (Qwen2-MoE): a dense MLP every token goes through, weighted by
+    sigmoid(shared_expert_gate(x)) (a [H] -> 1 linear) and added to the routed experts'
+    sum. It returns each rank's partial output (reduce_results=False), so the layer
+    sums both partials and all-reduces once."""
 
     def __init__(
         self,
@@ -47,6 +53,7 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         ops: KernelBackend,
         tp: TPGroup | None = None,
+        shared_expert: nn.Module | None = None,
     ):
         super().__init__()
         self.tp = tp or TPGroup()
@@ -62,6 +69,10 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.fp8_format: Fp8Format | None = None
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            Linear(hidden_size, 1, False, ops) if shared_expert is not None else None
+        )
 
     def use_fp8(self, fmt: Fp8Format, fp8_dtype: torch.dtype) -> None:
         """Keep the experts in FP8 (called on the meta device, before allocation)."""
@@ -87,6 +98,8 @@ class FusedMoE(nn.Module):
         else:
             fp8 = Fp8Experts(self.w13_scale, self.w2_scale, self.fp8_format)
             out = self.ops.fused_moe(*args, fp8=fp8)
+        if self.shared_expert is not None:  # routed + gated shared, as transformers sums
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
     def weight_pieces(self) -> dict[str, set]:

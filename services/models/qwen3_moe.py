@@ -14,7 +14,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     expert_modules = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 
     def make_mlp(self, config, ops, layer_idx: int):
-        _refuse_unsupported(config)
         sparse = (
             layer_idx not in (config.mlp_only_layers or [])
             and config.num_experts > 0
@@ -31,8 +30,3 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             ops,
             self.tp,
         )
-
-
-def _refuse_unsupported(config) -> None:
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")

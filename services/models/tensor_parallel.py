@@ -42,7 +42,7 @@ def check_split(hf_config, tp_size: int) -> None:
     heads = hf_config.num_attention_heads
     divide(heads, tp_size, "num_attention_heads")
     kv_head_range(getattr(hf_config, "num_key_value_heads", None) or heads, tp_size, 0)
-    for key in ("intermediate_size", "moe_intermediate_size"):
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         width = getattr(hf_config, key, None)
         if width:
             divide(width, tp_size, key)

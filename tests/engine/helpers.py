@@ -49,9 +49,19 @@ _SMALL = dict(
 )
 
 
+def _random_biases(model, std: float) -> None:
+    """transformers initializes biases to zero; a checkpoint's are not, and a test must
+    see whether they are loaded and added."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+
+
 def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
-    """A small random-weight Llama (llama3 rope scaling, untied head) or Qwen3."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    """A small random-weight Llama (llama3 rope scaling, untied head), Qwen3 or Qwen2
+    (q/k/v biases, tied embeddings)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(_SMALL, intermediate_size=256, initializer_range=0.5)
     if kind == "llama":
@@ -75,23 +85,31 @@ def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )
+    elif kind == "qwen2":
+        config = Qwen2Config(
+            **common,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _random_biases(model, config.initializer_range)
     model.save_pretrained(path)
     return path
 
 
 def save_random_moe_model(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     """A small random-weight Qwen3-MoE (8 experts, top-2, renormalized, layer 1 dense
-    through mlp_only_layers) or Mixtral (8 experts, top-2), written as the published
-    checkpoints are: one tensor per expert and projection (Qwen3-MoE:
+    through mlp_only_layers), Qwen2-MoE (the same, not renormalized, with a shared expert
+    and q/k/v biases) or Mixtral (8 experts, top-2), written as the published
+    checkpoints are: one tensor per expert and projection (Qwen3-MoE, Qwen2-MoE:
     mlp.experts.E.{gate,up,down}_proj.weight; Mixtral: block_sparse_moe.experts.E.w1 /
     w3 / w2 and block_sparse_moe.gate), not transformers 5's stacked in-memory layout.
     overrides: config fields to change (e.g. moe_intermediate_size)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         _SMALL,
@@ -112,6 +130,19 @@ def save_random_moe_model(path: Path, kind: str, seed: int = 0, **overrides) -> 
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )
         block, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    elif kind == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **common,
+            intermediate_size=256,  # the dense layer's
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            num_experts=8,
+            norm_topk_prob=False,  # as Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B ship
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+        block, names = "mlp", ("gate_proj", "up_proj", "down_proj")
     elif kind == "mixtral":
         config = MixtralConfig(
             **common,
@@ -126,6 +157,7 @@ def save_random_moe_model(path: Path, kind: str, seed: int = 0, **overrides) -> 
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _random_biases(model, config.initializer_range)
     tensors = {}
     for name, value in model.state_dict().items():
         layer, _, rest = name.partition(".mlp.")

@@ -1,7 +1,7 @@
 """Config keys the engine cannot honour are refused at start, by name, instead of
 being computed differently: a quantization_config that is not a supported FP8 format
-(AWQ, GPTQ, per-tensor fp8, ...) and a sliding window
-shorter than the sequences it would have to cover."""
+(AWQ, GPTQ, per-tensor fp8, ...), a sliding window
+shorter than the sequences it would have to cover, and an MLP activation other than SiLU."""
 
 from __future__ import annotations
 
@@ -62,3 +62,12 @@ def test_sliding_window_needs_max_model_len_within_it(model_dir, tmp_path):
         shutil.copytree(model_dir, tmp_path / "off"), sliding_window=64, use_sliding_window=False
     )
     assert LLM(off, num_kv_blocks=8).engine.max_model_len == 128  # the KV capacity
+
+
+def test_an_activation_other_than_silu_is_refused_naming_it(model_dir, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "act")
+    model = _with_config(copy, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh'.*silu only"):
+        LLM(model, num_kv_blocks=8)

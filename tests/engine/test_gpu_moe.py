@@ -12,7 +12,7 @@ from services.engine import LLM, SamplingParams
 from tests.engine.helpers import assert_all_blocks_free, hf_greedy, save_random_moe_model
 
 pytestmark = pytest.mark.gpu
-KINDS = ["qwen3_moe", "mixtral"]
+KINDS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def _prompts():

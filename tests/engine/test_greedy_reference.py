@@ -1,5 +1,5 @@
 """Acceptance 1: greedy output equals transformers' greedy generation token for token
-(fp32, CPU), batched, for the default model and random-weight Llama / Qwen3."""
+(fp32, CPU), batched, for the default model and random-weight Llama / Qwen3 / Qwen2."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_default_model_answers_paris(llm_default):
     assert_all_blocks_free(llm_default)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_random_weight_models_match_transformers(kind, tmp_path):
     model_dir = save_random_model(tmp_path / kind, kind)
     hf = hf_load(model_dir)

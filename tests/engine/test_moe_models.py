@@ -1,4 +1,4 @@
-"""MoE acceptance 1: Qwen3-MoE and Mixtral, random weights in the published on-disk
+"""MoE acceptance 1: Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral, random weights in the published on-disk
 format, equal transformers token for token (fp32, CPU) on prompts of different lengths
 in one batch, with chunked prefill and with the prefix cache; logprobs within 1e-4."""
 
@@ -22,7 +22,7 @@ MAX_TOKENS = 24
 LENGTHS = (1, 5, 16, 17, 40, 100, 150, 230)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
 def moe_model(request, tmp_path_factory):
     path = save_random_moe_model(tmp_path_factory.mktemp(request.param), request.param)
     return str(path), hf_load(path)
@@ -38,12 +38,22 @@ def test_structure_follows_the_config(moe_model):
     llm = LLM(model_dir, num_kv_blocks=8)
     layers = llm.engine.runner.model.model.layers
     kinds = [type(layer.mlp).__name__ for layer in layers]
-    if hf.config.model_type == "qwen3_moe":
+    model_type = hf.config.model_type
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         assert kinds == ["FusedMoE", "MLP", "FusedMoE"]  # mlp_only_layers=[1]
     else:
         assert kinds == ["FusedMoE"] * 3
     moe = layers[0].mlp
-    assert (moe.num_experts, moe.top_k, moe.renormalize) == (8, 2, True)
+    # Qwen2-MoE's published checkpoints keep the top-k weights as the softmax gave them
+    renormalized = model_type != "qwen2_moe"
+    assert (moe.num_experts, moe.top_k, moe.renormalize) == (8, 2, renormalized)
+    if model_type == "qwen2_moe":  # a shared expert of its own width, and its gate
+        assert moe.shared_expert.gate_up_proj.weight.shape == (2 * 96, 128)
+        assert moe.shared_expert_gate.weight.shape == (1, 128)
+        assert layers[0].self_attn.qkv_proj.bias is not None
+        assert layers[0].self_attn.o_proj.bias is None
+    else:
+        assert moe.shared_expert is None and moe.shared_expert_gate is None
     # the router really routes: the vocabulary's embeddings spread over the experts
     from services.kernels.torch_backend import select_experts
 

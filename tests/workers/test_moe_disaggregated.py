@@ -1,4 +1,4 @@
-"""MoE acceptance 2: Qwen3-MoE and Mixtral (random weights, published on-disk format)
+"""MoE acceptance 2: Qwen3-MoE, Qwen2-MoE and Mixtral (random weights, published on-disk format)
 through real prefill and decode worker processes over Mooncake TCP equal the colocated
 engine token for token; blocks return to their starting count. The KV layout is the
 dense one: experts change the MLP only."""
@@ -16,7 +16,7 @@ from tests.workers.procs import worker_pair
 from tests.workers.test_disaggregated import generate
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_disaggregated_equals_colocated(kind, tmp_path):
     model = str(save_random_moe_model(tmp_path / kind, kind))
     rng = random.Random(4)
