@@ -39,6 +39,7 @@ from services.engine.sequence import Logprob, Sequence, SequenceStatus
 from services.engine.startup import StartupPhases
 from services.engine.structured import Grammars, GrammarState
 from services.models.loader import check_supported, load_hf_config, resolve_model_path
+from services.models.rope import max_positions
 from services.models.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
 
-        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        model_max = max_positions(self.hf_config)  # RoPE scaling extends it
         max_model_len = config.max_model_len or model_max
         check_supported(
             self.hf_config, max_model_len, config.quantization, config.tensor_parallel_size
