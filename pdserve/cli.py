@@ -225,7 +225,9 @@ def _cmd_tune_kernels(args) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     config = engine_config_from_args(args, "both")
-    hf_config = load_hf_config(resolve_model_path(config.model))
+    hf_config = load_hf_config(
+        resolve_model_path(config.model, config.revision, config.download_dir)
+    )
     shapes = kernel_shapes(config, hf_config)
     result = tune(shapes, config.device, retune=not args.use_cache)
     print(f"{result.device_name}, {shapes.dtype}, block size {shapes.block_size}; microseconds")
@@ -279,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser("up", help="start router + prefill + decode workers on this machine")
-    up.add_argument("--model", default="smollm2-135m")
+    up.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="the workers' --model: a folder, Hugging Face Hub id (owner/name) or alias",
+    )
     up.add_argument("--host", default="127.0.0.1", help="router listen address")
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")

@@ -10,7 +10,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="smollm2-135m",
-        help="model folder or alias (default: the bundled SmolLM2-135M-Instruct)",
+        help="model folder, Hugging Face Hub id (owner/name: fetched into the Hub cache; "
+        "HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 to use the cache only) or alias "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="Hub id only: the branch, tag or commit to load (default: main)",
+    )
+    p.add_argument(
+        "--download-dir",
+        default=None,
+        help="Hub id only: the cache folder to fetch into and load from (default: "
+        "the Hugging Face cache, HF_HOME / HF_HUB_CACHE)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -104,6 +117,8 @@ def engine_config_from_args(args, role: str):
 
     return EngineConfig(
         model=args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
         role=role,
         device=args.device,
         dtype=args.dtype,

@@ -290,7 +290,9 @@ def request_checks_for(engine_config: EngineConfig) -> Callable[[int], RequestCh
     """The engine's request checks without its model, for a worker whose engine runs in
     another process: loaded while that process loads the model (the tokenizer and the
     transformers import take seconds), completed with the engine's max_model_len."""
-    path = resolve_model_path(engine_config.model)
+    path = resolve_model_path(
+        engine_config.model, engine_config.revision, engine_config.download_dir
+    )
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     grammars = Grammars(tokenizer, hf_config.vocab_size, eos_token_ids(path, tokenizer, hf_config))

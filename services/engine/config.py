@@ -18,7 +18,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str  # a folder, a Hugging Face Hub id (owner/name) or the bundled model's alias
     role: str = "both"
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
@@ -58,6 +58,9 @@ class EngineConfig:
     # rank 0 is this process
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
+    # Hub ids only: the revision (branch, tag, commit) and the cache folder to fetch into
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -80,7 +80,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         capture) record and log their durations."""
         phases = phases or StartupPhases()
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)

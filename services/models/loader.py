@@ -7,6 +7,7 @@ config.json loaded with load_format="dummy" (random weights, for benchmarks)."""
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from services.kernels.fp8 import (
     fp8_format_of,
     platform_fp8_dtype,
 )
-from services.models import default_model
+from services.models import default_model, hub
 from services.models.fp8_linear import Fp8Linear
 from services.models.kv_scales import kv_scale_name, load_kv_scale
 from services.models.layers import Linear, ParallelLMHead
@@ -37,17 +38,27 @@ log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """The local folder of `model`: the bundled model's alias, a folder, or a Hugging
+    Face Hub id (owner/name; fetched into the Hub cache, or download_dir, first)."""
+    path = Path(model).expanduser()
+    local = default_model.is_alias(model) or path.is_dir()
+    if local and (revision or download_dir):
+        flag = "--revision" if revision else "--download-dir"
+        raise ValueError(f"{flag} applies to Hugging Face Hub ids; {model!r} is local")
     if default_model.is_alias(model):
         return default_model.default_model_dir()
-    path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {path} has no config.json")
         return path
+    if hub.looks_like_repo_id(model):
+        return hub.download_model(model, revision, download_dir)
     raise ValueError(
-        f"unknown model {model!r}: not a folder and not an alias "
-        f"(aliases: {', '.join(default_model.known_aliases())})"
+        f"unknown model {model!r}: not a folder, not a Hugging Face Hub id (owner/name) "
+        f"and not an alias (aliases: {', '.join(default_model.known_aliases())})"
     )
 
 
@@ -230,10 +241,25 @@ def _init_dummy(model, seed: int) -> None:
             param.data.uniform_(-0.05, 0.05, generator=gen)
 
 
-def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None) -> None:
+def weight_files(model_path: Path) -> list[str]:
+    """The checkpoint's safetensors files: those its index lists when it has one (a
+    folder may hold other weights beside them, e.g. Mistral's consolidated.safetensors),
+    else every *.safetensors in the folder."""
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.exists():
+        listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in listed if not (Path(model_path) / f).exists()]
+        if missing:
+            raise ValueError(f"{index} lists {missing[:3]}, which the folder lacks")
+        return [os.path.join(model_path, f) for f in listed]
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_path}")
+    return files
+
+
+def _load_safetensors(model, model_path: Path, quant: QuantConfig | None = None) -> None:
+    files = weight_files(model_path)
     params = dict(model.named_parameters())
     expected = _expected_pieces(model, params)
     loaded: dict[str, set] = {name: set() for name in params}

@@ -236,3 +236,61 @@ def test_grafana_dashboard_configmap():
 
     with pytest.raises(helm_python.HelmValuesError):
         helm.render({"monitoring": {"grafanaDashboard": {"enabled": True, "labels": {"a": 1}}}})
+
+
+def test_model_from_the_hugging_face_hub():
+    """model.source hub: no model volume; each worker gets the Hub id, --revision, the
+    Hugging Face cache on the model cache volume (HF_HOME) and the token from a Secret."""
+    values = {
+        "model": {
+            "name": "Qwen/Qwen2.5-7B-Instruct",
+            "source": "hub",
+            "hub": {"revision": "v1.1", "tokenSecret": "hf-token"},
+            "cache": {"type": "pvc", "claimName": "model-cache", "path": "/cache"},
+        }
+    }
+    assert helm.lint(values)["errors"] == []
+    docs = helm.render(values)
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", name(role))
+        helm.validate(dep)
+        c = container(dep)
+        args = c["args"]
+        assert args[args.index("--model") + 1] == "Qwen/Qwen2.5-7B-Instruct"
+        assert args[args.index("--revision") + 1] == "v1.1"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["HF_HOME"]["value"] == "/cache/huggingface"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "hf-token",
+            "key": "HF_TOKEN",
+        }
+        assert "/cache" in {m["mountPath"] for m in c["volumeMounts"]}
+        pod = dep["spec"]["template"]["spec"]
+        assert all(v["name"] != "model" for v in pod["volumes"])
+    # no token, no revision: neither appears
+    values["model"]["hub"] = {}
+    c = container(find(helm.render(values), "Deployment", name("decode")))
+    assert "--revision" not in c["args"]
+    assert "HF_TOKEN" not in {e["name"] for e in c["env"]}
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (
+            {"source": "hub", "name": "Qwen/Qwen2.5-7B-Instruct"},
+            "set model.cache.type to emptyDir or pvc",
+        ),
+        ({"source": "bundled", "hub": {"revision": "v1"}}, "apply to model.source hub"),
+        (
+            {"source": "hostPath", "hostPath": {"path": "/m"}, "hub": {"tokenSecret": "t"}},
+            "apply to model.source hub",
+        ),
+    ],
+)
+def test_hub_values_that_cannot_apply_are_refused(model, message):
+    import helm_python
+
+    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmError)) as err:
+        helm.render({"model": model})
+    assert message in str(err.value)

@@ -122,6 +122,13 @@ spec:
             - {{ $role }}
             - --model
             - {{ $v.model.name | quote }}
+            {{- if and (ne $v.model.source "hub") (or $v.model.hub.revision $v.model.hub.tokenSecret) }}
+            {{- fail "model.hub.revision / model.hub.tokenSecret apply to model.source hub" }}
+            {{- end }}
+            {{- if and (eq $v.model.source "hub") $v.model.hub.revision }}
+            - --revision
+            - {{ $v.model.hub.revision | quote }}
+            {{- end }}
             - --device
             - {{ $e.device | quote }}
             - --dtype
@@ -205,6 +212,21 @@ spec:
                   fieldPath: status.podIP
             - name: PDSERVE_CACHE_DIR
               value: {{ $v.model.cache.path | quote }}
+            {{- if eq $v.model.source "hub" }}
+            {{- if eq $v.model.cache.type "image" }}
+            {{- fail "model.source hub downloads into the model cache: set model.cache.type to emptyDir or pvc (the image's cache is read-only)" }}
+            {{- end }}
+            # the Hugging Face cache on the model cache volume: a pvc downloads once
+            - name: HF_HOME
+              value: {{ printf "%s/huggingface" $v.model.cache.path | quote }}
+            {{- with $v.model.hub.tokenSecret }}
+            - name: HF_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ . | quote }}
+                  key: {{ $v.model.hub.tokenSecretKey | quote }}
+            {{- end }}
+            {{- end }}
             # the kernel tuner's picks (GPU): writable even when the model cache is the
             # image's read-only copy, so container restarts skip the measurement
             - name: PDSERVE_KERNEL_TUNING_DIR
@@ -268,7 +290,7 @@ spec:
             # NCCL between tensor-parallel ranks uses /dev/shm (shmSize)
             - name: shm
               mountPath: /dev/shm
-            {{- if ne $v.model.source "bundled" }}
+            {{- if not (has $v.model.source (list "bundled" "hub")) }}
             - name: model
               mountPath: {{ $v.model.mountPath }}
               {{- if and (eq $v.model.source "pvc") $v.model.pvc.subPath }}
