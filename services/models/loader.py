@@ -427,6 +427,9 @@ def _load_tensor(
     layer = _submodule(model, layer_name)
     if target != name:  # a shard of a fused layer: its rows there (the layer knows them)
         rows = layer.shard_rows(shard)
+    elif len(getattr(layer, "shards", {})) > 1 and not scale and tensor.dtype != FP8_DTYPE:
+        # the checkpoint stores the fused layer whole (Phi-3's qkv_proj, gate_up_proj)
+        return _load_fused_whole(layer, params[target], leaf, target, tensor, original)
     if layer is not None and fp8_format_of(layer) is not None and leaf == "weight":
         start, size = rows if rows is not None else (0, layer.out_features)
         if scale:
@@ -455,6 +458,24 @@ def _load_tensor(
     else:
         _copy(params[target].data, tensor, original)
     return [(target, shard)]
+
+
+def _load_fused_whole(layer, param, leaf, target, tensor, original):
+    """A fused layer's full-precision checkpoint tensor holding all its shards in order
+    (q, k, v; gate, up): each shard's rows go where a separate checkpoint tensor's
+    would, this rank's part of each under tensor parallelism."""
+    sizes = list(layer.shards.values())
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(
+            f"weight {original!r}: checkpoint shape {tuple(tensor.shape)}, the fused layer's "
+            f"parts {dict(layer.shards)} add up to {sum(sizes)} rows"
+        )
+    filled = []
+    for shard, part in zip(layer.shards, tensor.split(sizes, dim=0)):
+        start, size = layer.shard_rows(shard)
+        _copy(param.data[start : start + size], layer.checkpoint_slice(leaf, shard, part), original)
+        filled.append((target, shard))
+    return filled
 
 
 def _submodule(model, path: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.models.llama import LlamaForCausalLM
 from services.models.mixtral import MixtralForCausalLM
+from services.models.phi3 import Phi3ForCausalLM
 from services.models.qwen2 import Qwen2ForCausalLM
 from services.models.qwen2_moe import Qwen2MoeForCausalLM
 from services.models.qwen3 import Qwen3ForCausalLM
@@ -17,6 +18,7 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

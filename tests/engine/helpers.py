@@ -59,9 +59,9 @@ def _random_biases(model, std: float) -> None:
 
 
 def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
-    """A small random-weight Llama (llama3 rope scaling, untied head), Qwen3 or Qwen2
-    (q/k/v biases, tied embeddings)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    """A small random-weight Llama (llama3 rope scaling, untied head), Qwen3, Qwen2
+    (q/k/v biases, tied embeddings) or Phi-3 (fused q/k/v and gate/up tensors)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(_SMALL, intermediate_size=256, initializer_range=0.5)
     if kind == "llama":
@@ -84,6 +84,13 @@ def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
             head_dim=32,
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    elif kind == "phi3":  # q/k/v and gate/up stored fused, as Phi-3 / Phi-4 ship
+        config = Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     elif kind == "qwen2":
         config = Qwen2Config(

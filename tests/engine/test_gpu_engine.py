@@ -20,7 +20,7 @@ def _prompts(n=8):
     ]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "phi3"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp32_on_gpu_matches_transformers(kind, backend, tmp_path):
     if backend == "triton":

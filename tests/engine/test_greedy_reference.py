@@ -56,7 +56,7 @@ def test_default_model_answers_paris(llm_default):
     assert_all_blocks_free(llm_default)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "phi3"])
 def test_random_weight_models_match_transformers(kind, tmp_path):
     model_dir = save_random_model(tmp_path / kind, kind)
     hf = hf_load(model_dir)

@@ -1,9 +1,10 @@
 """Tensor parallelism, acceptance 1: on CPU with gloo, real rank processes, TP=2 (and
 TP=4, KV heads replicated) equal TP=1 token for token in fp32 for Llama, Qwen3 (tied
-embeddings) and the MoE families (Qwen2-MoE: q/k/v biases split with their heads, and
-the shared expert's partial output summed with the routed experts' before one
-all-reduce), through chunked prefill, the prefix cache,
-preemption and prompt logprobs; the ranks end with the engine."""
+embeddings), Phi-3 (q/k/v and gate/up stored fused, split by shard and then by rank) and
+the MoE families (Qwen2-MoE: q/k/v biases split with their heads, and the shared
+expert's partial output summed with the routed experts' before one all-reduce), through
+chunked prefill, the prefix cache, preemption and prompt logprobs; the ranks end with
+the engine."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def _prompts(seed: int) -> list[list[int]]:
     return prompts + [prompts[-1][:48] + [5, 6, 7]]  # shares 3 blocks with the last one
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral"]
+)
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    if request.param in ("llama", "qwen3"):
+    if request.param in ("llama", "qwen3", "phi3"):
         return str(save_random_model(path, request.param))
     return str(save_random_moe_model(path, request.param))
 
