@@ -4,7 +4,8 @@ worker's steps at hundreds of streams once the GPU step is small (issue 20).
 
 - engine: the engine process's loop (engine_core.py) with a tiny model on the CPU:
   schedule, launch, read the tokens, make the outputs, pickle them for the pipe; minus
-  the model's forward and sampling (timed apart and taken out).
+  the model's forward and sampling (timed apart and taken out). The requests' lengths
+  differ, so they finish over many steps and out of their batch order.
 - worker: the decode worker's side (engine_client.py, decode/mux.py): unpickle a
   step's deltas, rebuild outputs, detokenize, hand them to their streams, fill each
   request's GenerateStream response, serialize the message.
@@ -54,11 +55,15 @@ def engine_cost(model: str, seqs: int, rounds: int) -> float:
 
     runner.decode_logits = timed(runner.decode_logits)
     runner.sampler.sample = timed(runner.sampler.sample)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     prompt = list(range(10, 18))
 
     def one_round(n: int) -> float:
         for i in range(n):
+            # lengths from STEPS / 2 to STEPS: requests finish over the second half, out
+            # of their batch order, as in serving (not all at once, first to last)
+            params = SamplingParams(
+                temperature=0, max_tokens=STEPS // 2 + (i * 37) % (STEPS // 2 + 1), ignore_eos=True
+            )
             engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params)
         # the prefill and the first steps stay out of the timing
         running = engine.scheduler.running
