@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from services.engine.sampler import DeviceTokens
 from services.engine.scheduler import ScheduledSeq
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -19,9 +19,14 @@ class StepInFlight:
 
     seqs: list[Sequence]
     tokens: DeviceTokens
+    # each sequence's sampling request, kept for a next step of the same batch
+    sampling: list | None = None
+    # id(seq) -> row; given when it is the previous step's (the same batch)
+    rows: dict[int, int] | None = None
 
     def __post_init__(self):
-        self.rows = {id(seq): i for i, seq in enumerate(self.seqs)}
+        if self.rows is None:
+            self.rows = {id(seq): i for i, seq in enumerate(self.seqs)}
 
 
 class AsyncSteps:
@@ -44,16 +49,19 @@ class AsyncSteps:
         return start is not None and seq.num_output_tokens + pending >= start
 
     def _launch(self, seqs: list[Sequence], prev: StepInFlight | None = None) -> StepInFlight:
-        sampling = [self._sampling_request(seq) for seq in seqs]
+        # the usual step: the batch in flight again, in its order (compared in C); its
+        # sampling requests and rows serve again (a request's sampling request is fixed
+        # while it samples on the device: no grammar mask)
+        same = prev is not None and prev.sampling is not None and seqs == prev.seqs
+        sampling = prev.sampling if same else [self._sampling_request(seq) for seq in seqs]
         if prev is None:
             tokens = self.runner.decode_on_device(seqs, sampling)
         else:
-            rows = [prev.rows[id(seq)] for seq in seqs]
+            rows = list(range(len(seqs))) if same else [prev.rows[id(seq)] for seq in seqs]
             tokens = self.runner.decode_on_device(seqs, sampling, prev.tokens.tokens, rows)
-        for seq in seqs:
-            # the token in flight is not known yet: its block joins on reading
-            self.scheduler.postprocess(seq, 1, seq.num_tokens)
-        return StepInFlight(seqs, tokens)
+        # the token in flight is not known yet: its block joins on reading
+        self.scheduler.postprocess_decode(seqs)
+        return StepInFlight(seqs, tokens, sampling, prev.rows if same else None)
 
     def _launch_next(self, done: StepInFlight) -> StepInFlight | None:
         """Launch the step after `done` before reading its tokens, for the sequences
@@ -95,8 +103,7 @@ class AsyncSteps:
         sampling = [self._sampling_request(seq) for seq in sampled]
         rows = [done.rows[id(seq)] for seq in seqs]
         tokens = self.runner.mixed_on_device(seqs, admitted, sampling, done.tokens.tokens, rows)
-        for seq in seqs:
-            self.scheduler.postprocess(seq, 1, seq.num_tokens)
+        self.scheduler.postprocess_decode(seqs)
         for item in admitted:
             self.scheduler.postprocess(item.seq, item.num_new_tokens, item.seq.num_tokens)
         self.num_pipelined_mixed_steps += 1
@@ -109,11 +116,12 @@ class AsyncSteps:
         """The outputs (RequestOutputs, or deltas) of the tokens `done` sampled."""
         outputs = []
         requests, cache_full_blocks = self.requests, self.scheduler.cache_full_blocks
+        append_and_check, finished = self._append_and_check, SequenceStatus.FINISHED
         for seq, token in zip(done.seqs, done.tokens.tolist()):
             req = requests.get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue  # aborted while its step ran
-            outputs.append(self._append_and_check(req, token, None))
-            if not seq.is_finished:
-                cache_full_blocks(seq, seq.num_tokens)
+            outputs.append(append_and_check(req, token, None))
+            if seq.status is not finished:
+                cache_full_blocks(seq, len(seq.token_ids))
         return outputs

@@ -316,9 +316,13 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
 
     def _append_and_check(self, req: _Request, token: int, lp) -> RequestOutput | Delta:
         seq = req.seq
-        self._append_token(seq, token, lp)
+        token_ids = seq.token_ids
+        if lp is None:  # the usual case, once per sequence per step: no call
+            token_ids.append(token)
+        else:
+            self._append_token(seq, token, lp)
         params = seq.params
-        n_out = seq.num_output_tokens
+        n_out = len(token_ids) - len(seq.prompt_token_ids)
         min_reached = n_out >= params.min_tokens
         detok = req.detok
         stop_str = None
@@ -334,9 +338,9 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
             self._finish(seq, "stop", None)
         elif params.max_tokens is not None and n_out >= params.max_tokens:
             self._finish(seq, "length", None)
-        elif seq.num_tokens >= self.max_model_len:
+        elif len(token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
-        finished = seq.is_finished
+        finished = seq.status is SequenceStatus.FINISHED
         if finished:
             if stop_str is None and detok is not None:  # text cut at a stop string stays cut
                 detok.flush()
@@ -380,7 +384,7 @@ class LLMEngine(AsyncSteps, DisaggregatedRoles):
         seq = req.seq
         first = req.sent_tokens < 0
         sent = 0 if first else req.sent_tokens
-        new_ids = seq.token_ids[seq.num_prompt_tokens + sent :]
+        new_ids = seq.token_ids[len(seq.prompt_token_ids) + sent :]
         req.sent_tokens = sent + len(new_ids)
         text = ""
         if req.detok is not None:

@@ -181,9 +181,11 @@ class Scheduler:
         more token (possibly none of them); None unless the batch is exactly the one in
         flight (no sequence joined since), there are at most max_rows of them and every
         slot was found."""
-        members = {id(seq) for seq in in_flight}
-        if any(id(seq) not in members for seq in self.running):
-            return None
+        # the usual case, the same batch in the same order, compares in C (identity)
+        if self.running != in_flight:
+            members = {id(seq) for seq in in_flight}
+            if any(id(seq) not in members for seq in self.running):
+                return None
         seqs = [seq for seq in self.running if keep(seq)]
         if len(seqs) > max_rows:
             return None
@@ -202,6 +204,18 @@ class Scheduler:
         num_known_tokens tokens join the prefix cache."""
         seq.num_computed_tokens += num_new_tokens
         self.cache_full_blocks(seq, num_known_tokens)
+
+    def postprocess_decode(self, seqs: list[Sequence]) -> None:
+        """postprocess(seq, 1, seq.num_tokens) for each of a launched decode step's
+        sequences (its tokens are not known yet), in one loop: hundreds per step."""
+        bs = self.block_manager.block_size
+        cache = self.block_manager.cache_full_blocks
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            known = len(seq.token_ids)
+            full = seq.num_computed_tokens if seq.num_computed_tokens < known else known
+            if full >= (len(seq.block_hashes) + 1) * bs:
+                cache(seq, full)
 
     def cache_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
         """Full blocks whose KV is written and whose tokens are all known (a token still
