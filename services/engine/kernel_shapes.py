@@ -27,7 +27,7 @@ def kernel_shapes(config, hf_config) -> KernelShapes:
         weight_quant=weight_quant_tag(fmt),
         tp_size=config.tensor_parallel_size,
     )
-    # the loader's rule (loader._use_fp8_experts), less its check that the checkpoint
+    # the loader's rule (fp8_swap._use_fp8_experts), less its check that the checkpoint
     # quantizes the experts at all: every published FP8 MoE does
     fp8_experts = (
         quant is not None
