@@ -208,14 +208,10 @@ class Scheduler:
     def postprocess_decode(self, seqs: list[Sequence]) -> None:
         """postprocess(seq, 1, seq.num_tokens) for each of a launched decode step's
         sequences (its tokens are not known yet), in one loop: hundreds per step."""
-        bs = self.block_manager.block_size
-        cache = self.block_manager.cache_full_blocks
+        cache_full_blocks = self.cache_full_blocks
         for seq in seqs:
             seq.num_computed_tokens += 1
-            known = len(seq.token_ids)
-            full = seq.num_computed_tokens if seq.num_computed_tokens < known else known
-            if full >= (len(seq.block_hashes) + 1) * bs:
-                cache(seq, full)
+            cache_full_blocks(seq, len(seq.token_ids))
 
     def cache_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
         """Full blocks whose KV is written and whose tokens are all known (a token still
