@@ -43,11 +43,11 @@ def resolve_model_path(
     """The local folder of `model`: the bundled model's alias, a folder, or a Hugging
     Face Hub id (owner/name; fetched into the Hub cache, or download_dir, first)."""
     path = Path(model).expanduser()
-    local = default_model.is_alias(model) or path.is_dir()
-    if local and (revision or download_dir):
+    alias = default_model.is_alias(model)
+    if (alias or path.is_dir()) and (revision or download_dir):
         flag = "--revision" if revision else "--download-dir"
         raise ValueError(f"{flag} applies to Hugging Face Hub ids; {model!r} is local")
-    if default_model.is_alias(model):
+    if alias:
         return default_model.default_model_dir()
     if path.is_dir():
         if not (path / "config.json").exists():
