@@ -205,22 +205,33 @@ def test_prefill_killed_mid_transfer(model, colocated, policy):
 def test_prefill_timeout_recomputes_and_stops_the_late_writer(model, colocated):
     # The prefill worker stalls mid-transfer (injected) past the decode worker's deadline:
     # the decode worker aborts it (so nothing lands in its blocks later) and recomputes.
-    prefill = start_worker("prefill", model=model, env={"PDSERVE_FAULT_PAUSE_MID_TRANSFER_S": "30"})
-    decode = start_worker("decode", "--prefill-timeout", "3", model=model)
+    prefill = start_worker("prefill", model=model, env={"PDSERVE_FAULT_PAUSE_MID_TRANSFER_S": "60"})
+    decode = start_worker("decode", "--prefill-timeout", "8", model=model)
     try:
+        block_bytes = 30 * 2 * BLOCK * 3 * 64 * 4
+        # First contact (handshake, first prefill) out of the way with a one-block
+        # prompt, which the fault leaves whole: on a loaded machine it alone can take
+        # seconds, and the first half below must land before the decode deadline.
+        warm = [(i * 7) % 40000 + 100 for i in range(BLOCK - 4)]
+        assert (
+            generate(decode, warm, prefill, max_tokens=2)[0]
+            == expected(colocated, [warm], max_tokens=2)[0]
+        )
+        assert prefill.load().kv_transfer_bytes == block_bytes
         prompt = [(i * 41) % 40000 + 100 for i in range(200)]
         start = time.monotonic()
         tokens, last = generate(decode, prompt, prefill, max_tokens=8)
         assert tokens == expected(colocated, [prompt], max_tokens=8)[0]
         assert last.timings.prefill_fallback
-        assert time.monotonic() - start < 25  # not waiting out the 30 s stall
+        assert prefill.wait_for_log("pausing 60.0s mid-transfer", 1), prefill.log[-20:]
+        assert time.monotonic() - start < 40  # not waiting out the 60 s stall
         for w in (prefill, decode):
             report = w.wait_all_blocks_free()
             assert report.num_free_blocks == report.num_total_blocks, w.role
         # only the first half was written; the aborted second half never was
-        block_bytes = 30 * 2 * BLOCK * 3 * 64 * 4
         assert prefill.healthy()
-        assert prefill.load().kv_transfer_bytes == (len(prompt) // BLOCK + 1) // 2 * block_bytes
+        half = (len(prompt) // BLOCK + 1) // 2 * block_bytes
+        assert prefill.load().kv_transfer_bytes == block_bytes + half
     finally:
         prefill.stop()
         decode.stop()
