@@ -179,6 +179,11 @@ CMD ["pdserve", "router", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---- the default image: router + workers + `pdserve up` --------------------------------
 FROM base AS pdserve
+# A C compiler: CPU workers build their small-op kernels (services/kernels/cpu_native)
+# for the CPU they run on at first start; without one that candidate is skipped.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder --chown=10001:10001 /var/cache/pdserve /var/cache/pdserve
 COPY --chmod=0755 docker/healthcheck.py /opt/pdserve/healthcheck.py

@@ -87,7 +87,8 @@ class EngineConfig:
                     "kernel_choices only applies to the tuned kernel backend "
                     f"(kernel_backend is {self.kernel_backend!r} here)"
                 )
-            parse_choices(self.kernel_choices)  # raises ValueError on a bad spec
+            # raises ValueError on a bad spec
+            parse_choices(self.kernel_choices, graphs=self.device != "cpu")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -45,10 +45,14 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     # cpu_onednn: the CPU's per-thread weight slabs and prepacked oneDNN weights
     # (cpu_backend.py)
     "linear": ("torch", "triton", "aiter", "cpu_slab", "cpu_onednn"),
-    "paged_attention": ("torch", "triton", "aiter", "sdpa"),
+    # cpu_native: the CPU's small ops in C (cpu_native/kernels.c)
+    "paged_attention": ("torch", "triton", "aiter", "sdpa", "cpu_native"),
+    "rms_norm": ("torch", "triton", "aiter", "cpu_native"),
+    "fused_add_rms_norm": ("torch", "triton", "aiter", "cpu_native"),
+    "rotary_embedding": ("torch", "triton", "aiter", "cpu_native"),
     # AITER has no plain SiLU-and-mul or KV write: its backend runs pdserve's triton ones
-    "silu_and_mul": ("torch", "triton"),
-    "store_kv_cache": ("torch", "triton"),
+    "silu_and_mul": ("torch", "triton", "cpu_native"),
+    "store_kv_cache": ("torch", "triton", "cpu_native"),
     # triton and aiter: each timed at a few launch configs (TUNED_CONFIG_CANDIDATES)
     "fused_moe": ("torch", "triton", "aiter"),
     # scaled_mm: cuBLASLt through torch._scaled_mm (channel / tensor scales, sm_89+)
@@ -66,7 +70,7 @@ ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode
 # fused_moe reference loops over the experts it finds on the host.
 NOT_GRAPH_SAFE = {
     "store_kv_cache": {"torch"},
-    "paged_attention": {"torch", "sdpa"},
+    "paged_attention": {"torch", "sdpa", "cpu_native"},
     "fused_moe": {"torch"},
 }
 GRAPH_CLASSES = tuple(DECODE_CLASSES)
@@ -291,9 +295,10 @@ class KernelShapes:
 
 
 # ---- overrides ----------------------------------------------------------------------
-def parse_choices(spec: str | dict | None) -> dict[str, str]:
+def parse_choices(spec: str | dict | None, graphs: bool = True) -> dict[str, str]:
     """ "op[.class]=candidate,..." (or a dict of the same) -> {"op.class": candidate}.
-    An op without a class applies to all its classes."""
+    An op without a class applies to all its classes. graphs: decode classes take only
+    capture-safe candidates (a GPU); a CPU runs no graphs and may pick any."""
     if not spec:
         return {}
     items = spec.items() if isinstance(spec, dict) else _split_pairs(spec)
@@ -308,10 +313,9 @@ def parse_choices(spec: str | dict | None) -> dict[str, str]:
         for c in classes:
             if c not in OP_CLASSES[op]:
                 raise ValueError(f"{op} has classes {OP_CLASSES[op]}, not {c!r}")
-            if name not in candidates_for(op, c):
-                raise ValueError(
-                    f"{name!r} is not a candidate for {op}.{c}; choose from {candidates_for(op, c)}"
-                )
+            allowed = candidates_for(op, c, graphs)
+            if name not in allowed:
+                raise ValueError(f"{name!r} is not a candidate for {op}.{c}; choose from {allowed}")
             out[f"{op}.{c}"] = name
     return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import AttentionMetadata, rope_and_store_kv_unfused
 from services.kernels.shape_classes import (
@@ -128,7 +130,7 @@ class TunedBackend:
 def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwargs):
     """A TunedBackend for these shapes on this device; `choices` override the tuner's.
     When the overrides cover every op and class nothing is measured."""
-    overrides = parse_choices(choices)
+    overrides = parse_choices(choices, graphs=torch.device(device).type == "cuda")
     configs: dict[str, dict] = {}
     if set(overrides) >= all_keys(shapes):
         picked = overrides

@@ -157,7 +157,7 @@ GPU_CANDIDATES = ("torch", "triton", "aiter", "sdpa", "scaled_mm")
 # attention lost to the reference at every class on the 2-core EPYC, and measuring
 # attention there took seconds of start-up); a first start measures for 2-3 s on
 # SmolLM2, most of it the decode linears over all 30 layers' weights (tuner_cases.py).
-CPU_CANDIDATES = ("torch", "cpu_slab", "cpu_onednn")
+CPU_CANDIDATES = ("torch", "cpu_slab", "cpu_onednn", "cpu_native")
 
 
 def default_candidates(device: torch.device | str) -> tuple[str, ...]:
@@ -177,6 +177,11 @@ def load_candidates(names=GPU_CANDIDATES) -> dict[str, object]:
                 out[name] = CpuSlabBackend()
             elif name == "cpu_onednn":
                 out[name] = CpuOneDnnBackend()
+            elif name == "cpu_native":
+                # lazy: builds its C kernels on the first start (needs a C compiler)
+                from services.kernels.cpu_native import CpuNativeBackend
+
+                out[name] = CpuNativeBackend()
             elif name == "scaled_mm":
                 # lazy: an FP8-only candidate that refuses to build off NVIDIA sm_89+
                 from services.kernels.scaled_mm_backend import ScaledMMBackend

@@ -192,7 +192,9 @@ def prompts():
     return [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 16, 17, 40, 100, 150, 230)]
 
 
-def compare(llm, reference, group, skip=(), device="cpu", emulate=None, emulation_tol=1e-3):
+def compare(
+    llm, reference, group, skip=(), device="cpu", emulate=None, emulation_tol=1e-3, exact=True
+):
     """The acceptance of the module doc, for an engine on a quantized checkpoint and
     transformers on its dequantized twin `reference`; `group`: the activation groups
     (None: per token), `skip`: transformers modules the checkpoint leaves unquantized,
@@ -200,7 +202,13 @@ def compare(llm, reference, group, skip=(), device="cpu", emulate=None, emulatio
     rounds come from the same kind of arithmetic); `emulate`: a further change to the
     emulating model (MoE experts, which are no Linear modules there); `emulation_tol`:
     nats between the engine and that emulation (fp32 summation order only, unless the
-    engine's kernels accumulate less precisely: test_gpu_fp8.py)."""
+    engine's kernels accumulate less precisely: test_gpu_fp8.py). On a CPU the exact
+    emulation needs the reference kernels (kernel_backend="torch"): an activation that
+    FP8 rounds comes out of RMSNorm, attention or SiLU, and a kernel that sums in another
+    order can move it across a rounding boundary (the C kernels of cpu_native, which
+    test_cpu_native.py holds to the reference). exact=False checks the tracking alone."""
+    if exact and device == "cpu":
+        assert llm.engine.runner.ops.name == "torch", "the exact emulation needs torch kernels"
     prompt_ids = prompts()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
     outs = llm.generate(prompt_ids, params)
@@ -218,6 +226,8 @@ def compare(llm, reference, group, skip=(), device="cpu", emulate=None, emulatio
             worst = max(worst, abs(entry[token].logprob - ref_lp[pos, token].item()))
     assert worst <= LOGPROB_TOL, f"logprob differs by {worst:.3g} nats"
     assert agree >= 7, f"greedy tokens equal on {agree}/8 prompts only"
+    if not exact:
+        return
     # the same weights and the same activation quantization in transformers: exact
     emulated = fake_quant_activations(load(), group, skip)
     if emulate is not None:

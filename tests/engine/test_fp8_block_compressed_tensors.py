@@ -116,7 +116,7 @@ def ct_block(tmp_path_factory):
 
 def test_fp8_block_checkpoint_stays_fp8_and_tracks_transformers(ct_block):
     qdir, reference = ct_block
-    llm = LLM(str(qdir), max_num_batched_tokens=128)
+    llm = LLM(str(qdir), kernel_backend="torch", max_num_batched_tokens=128)
     wide = assert_fp8_memory(llm, all_layers(skip=[IGNORED]), "block")
     assert wide == [f"{IGNORED}.weight"]  # honoured `ignore`: kept in full precision
     layers = fp8_layers(llm)

@@ -140,7 +140,7 @@ def unquantized(tmp_path_factory):
 
 def test_block_fp8_checkpoint_stays_fp8_and_tracks_transformers(block_fp8):
     qdir, reference = block_fp8
-    llm = LLM(str(qdir), max_num_batched_tokens=128)
+    llm = LLM(str(qdir), kernel_backend="torch", max_num_batched_tokens=128)
     wide = assert_fp8_memory(llm, all_layers(), "block")
     assert wide == []
     qkv = fp8_layers(llm)["model.layers.0.self_attn.qkv_proj"]
@@ -150,7 +150,7 @@ def test_block_fp8_checkpoint_stays_fp8_and_tracks_transformers(block_fp8):
 
 def test_compressed_tensors_fp8_dynamic_stays_fp8_and_tracks_transformers(compressed_tensors):
     strategy, qdir, reference = compressed_tensors
-    llm = LLM(str(qdir), max_num_batched_tokens=128)
+    llm = LLM(str(qdir), kernel_backend="torch", max_num_batched_tokens=128)
     # fused layers keep a per-tensor checkpoint's shard scales per row (exact)
     wide = assert_fp8_memory(
         llm,
@@ -165,9 +165,18 @@ def test_compressed_tensors_fp8_dynamic_stays_fp8_and_tracks_transformers(compre
 
 def test_online_fp8_quantization_of_an_unquantized_checkpoint(unquantized):
     qdir, reference = unquantized
-    llm = LLM(str(qdir), quantization="fp8", max_num_batched_tokens=128)
+    llm = LLM(str(qdir), kernel_backend="torch", quantization="fp8", max_num_batched_tokens=128)
     assert assert_fp8_memory(llm, all_layers(), "channel") == []
     compare(llm, reference, group=None)
+
+
+def test_block_fp8_on_the_default_cpu_kernels_tracks_transformers(block_fp8):
+    """The default backend on a CPU (tuned: the C small ops where they won) with FP8
+    weights: the same tracking of transformers, without the exact emulation."""
+    qdir, reference = block_fp8
+    llm = LLM(str(qdir), max_num_batched_tokens=128)
+    assert llm.engine.runner.ops.name == "tuned"
+    compare(llm, reference, group=BLOCK, exact=False)
 
 
 def test_dummy_weights_with_an_fp8_config_are_fp8(block_fp8):

@@ -294,18 +294,20 @@ def test_weight_quant_tags():
 
 
 def test_the_cpu_tuner_measures_the_cpus_own_candidates(tmp_path):
-    """No candidates given on a CPU: torch, cpu_slab and cpu_onednn (no interpreted
-    Triton), no graph rule; the ops with one candidate are the reference without
-    measuring; the cache file names the CPU model and thread count."""
+    """No candidates given on a CPU: torch, cpu_slab, cpu_onednn and cpu_native (no
+    interpreted Triton), no graph rule: linears time the first three, the small ops
+    torch against cpu_native, every class; the cache file names the CPU model and
+    thread count."""
     result = tune(SHAPES, "cpu", cache_dir=tmp_path)
     assert set(result.choices) == ALL_KEYS and result.rejected == {}
-    assert set(result.choices.values()) <= {"torch", "cpu_slab", "cpu_onednn"}
+    assert set(result.choices.values()) <= {"torch", "cpu_slab", "cpu_onednn", "cpu_native"}
     for cls in OP_CLASSES["linear"]:
         assert set(result.times_us[f"linear.{cls}"]) == {"torch", "cpu_slab", "cpu_onednn"}
-    for op in ("rms_norm", "paged_attention", "store_kv_cache"):
+    small_ops = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+                 "store_kv_cache", "paged_attention")  # fmt: skip
+    for op in small_ops:
         for cls in OP_CLASSES[op]:
-            assert result.choices[f"{op}.{cls}"] == "torch"
-            assert result.times_us[f"{op}.{cls}"] == {}
+            assert set(result.times_us[f"{op}.{cls}"]) == {"torch", "cpu_native"}, op
     assert result.device_name.startswith("cpu ") and "threads" in result.device_name
     (path,) = tmp_path.glob("*.json")
     assert path.name.startswith("cpu-")
