@@ -261,8 +261,9 @@ class AiterBackend:
         return None
 
     def paged_attention(
-        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
-    ):
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
+        sliding_window=None,
+    ):  # fmt: skip
         if kv_cache_is_fp8(k_cache, k_scale, v_scale):
             if not self.fallbacks["paged_attention.fp8_kv"]:
                 log.warning(
@@ -271,7 +272,7 @@ class AiterBackend:
                 )
             self.fallbacks["paged_attention.fp8_kv"] += 1
             return self.fallback.paged_attention(
-                q, k_cache, v_cache, metadata, scale, k_scale, v_scale
+                q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window
             )
         reason = self.attention_fallback_reason(q, k_cache)
         if reason is not None:
@@ -287,7 +288,9 @@ class AiterBackend:
                     q.dtype,
                 )
             self.fallbacks[key] += 1
-            return self.fallback.paged_attention(q, k_cache, v_cache, metadata, scale)
+            return self.fallback.paged_attention(
+                q, k_cache, v_cache, metadata, scale, sliding_window=sliding_window
+            )
         if "aiter" not in metadata.backend_data:
             self.prepare_attention(metadata)
         block_tables, seq_lens, cu_seqlens_q = metadata.backend_data["aiter"]
@@ -303,7 +306,8 @@ class AiterBackend:
             metadata.max_seq_len,
             float(scale),
             True,  # causal
-            (-1, -1),  # no sliding window
+            # keys q - window < k <= q: AITER's kernel sees q - k < 1 + window_size[0]
+            (-1, -1) if sliding_window is None else (sliding_window - 1, 0),
             block_tables,
             0.0,  # softcap
             None,

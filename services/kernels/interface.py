@@ -137,9 +137,13 @@ class KernelBackend(Protocol):
         scale: float,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context
         (which already holds this step's keys). Returns [T, Hq, D] in q's dtype.
+        sliding_window (a layer's, fixed after loading): the query at absolute position
+        p sees only keys p - sliding_window < k <= p (transformers'
+        sliding_window_overlay); None: every key up to p.
         An FP8 cache is read as stored * k_scale / v_scale (None: 1.0) and computed in
         q's dtype; no host synchronisation (the scales are host floats, baked into a
         captured CUDA graph, which is right: they never change after loading)."""

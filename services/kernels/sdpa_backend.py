@@ -69,8 +69,9 @@ class SdpaBackend(TorchBackend):
         metadata.backend_data["sdpa"] = (blocks, pos % bs, cu_k_t, cu_k)
 
     def paged_attention(
-        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
-    ):
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
+        sliding_window=None,
+    ):  # fmt: skip
         fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         if "sdpa" not in metadata.backend_data:
             self.prepare_attention(metadata)
@@ -79,14 +80,18 @@ class SdpaBackend(TorchBackend):
         v = v_cache[blocks, offsets]
         if fp8:
             k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
-        if self.uses_varlen(q):
-            return self._flash_varlen(q, k, v, metadata, cu_k_t, scale)
-        return self._per_sequence(q, k, v, metadata.cu_seqlens_q_cpu, cu_k, scale)
+        # a window needs varlen's window_size (an older torch takes only is_causal)
+        if self.uses_varlen(q) and (sliding_window is None or "window_size" in self._varlen_params):
+            return self._flash_varlen(q, k, v, metadata, cu_k_t, scale, sliding_window)
+        return self._per_sequence(q, k, v, metadata.cu_seqlens_q_cpu, cu_k, scale, sliding_window)
 
-    def _flash_varlen(self, q, k, v, metadata, cu_k_t, scale):
+    def _flash_varlen(self, q, k, v, metadata, cu_k_t, scale, sliding_window=None):
         kwargs = {"scale": scale}
         if "window_size" in self._varlen_params:
-            kwargs["window_size"] = (-1, 0)  # causal, bottom-right aligned
+            # causal, bottom-right aligned; FlashAttention's left width counts the keys
+            # before the query's own: window - 1
+            left = -1 if sliding_window is None else sliding_window - 1
+            kwargs["window_size"] = (left, 0)
         else:
             kwargs["is_causal"] = True
         if q.shape[1] != k.shape[1]:
@@ -111,7 +116,7 @@ class SdpaBackend(TorchBackend):
         )
 
     @staticmethod
-    def _per_sequence(q, k, v, cu_q, cu_k, scale):
+    def _per_sequence(q, k, v, cu_q, cu_k, scale, sliding_window=None):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for i in range(len(cu_k) - 1):
@@ -120,9 +125,11 @@ class SdpaBackend(TorchBackend):
             if lq == 0:
                 continue
             # query j sits at key position lk - lq + j: bottom-right causal mask
-            mask = torch.arange(lk, device=q.device).unsqueeze(0) <= (
-                torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
-            )
+            k_pos = torch.arange(lk, device=q.device).unsqueeze(0)
+            q_pos = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
             o = F.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1),
                 k[ks:ke].transpose(0, 1),

@@ -96,7 +96,6 @@ class TorchBackend:
         bs = metadata.block_size
         cu = metadata.cu_seqlens_q.to(torch.int64)
         query_lens = cu[1:] - cu[:-1]
-        seq_lens = metadata.seq_lens.to(torch.int64)
         max_q, max_k = metadata.max_query_len, metadata.max_seq_len
 
         # whole blocks, gathered with index_select: indexing the strided per-layer cache
@@ -113,23 +112,25 @@ class TorchBackend:
         # decode rows that all see their whole padded context need no mask, and SDPA
         # without one is the cheaper call (once per layer); otherwise build it
         if not (max_q == 1 and lens is not None and min(lens) == max_k):
-            kv_pos = torch.arange(max_k, device=device)
-            # Query i of a sequence sits at absolute position seq_len - query_len + i.
-            q_abs = (seq_lens - query_lens).unsqueeze(1) + q_pos.unsqueeze(0)  # [B, max_q]
-            mask = kv_pos.view(1, 1, -1) <= q_abs.unsqueeze(-1)  # [B, max_q, max_k]
-            mask &= kv_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
-            mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no NaN
-            mask = mask.unsqueeze(1)
+            mask = _attention_mask(metadata, q_valid)
         metadata.backend_data["torch"] = (blocks, max_k, q_valid, q_rows, mask)
 
     def paged_attention(
-        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
-    ):
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
+        sliding_window=None,
+    ):  # fmt: skip
         fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
         if "torch" not in metadata.backend_data:
             self.prepare_attention(metadata)
         blocks, max_k, q_valid, q_rows, mask = metadata.backend_data["torch"]
         num_seqs = q_valid.shape[0]
+        if sliding_window is not None and max_k > sliding_window:
+            # the window binds in this step (decode rows too, which may have no causal
+            # mask): layers may differ, so one mask per window, built once per step
+            masks = metadata.backend_data.setdefault("torch_windows", {})
+            if sliding_window not in masks:
+                masks[sliding_window] = _attention_mask(metadata, q_valid, sliding_window)
+            mask = masks[sliding_window]
 
         def gather(cache):  # -> [B, Hk, max_k, D]
             rows = cache.index_select(0, blocks)  # [B * blocks, block_size, Hk, D]
@@ -165,6 +166,23 @@ class TorchBackend:
             )  # [B, Hq, max_q, D]
         out = out.squeeze(2) if max_q == 1 else out.transpose(1, 2)[q_valid]
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _attention_mask(metadata: AttentionMetadata, q_valid, sliding_window=None) -> torch.Tensor:
+    """[B, 1, max_q, max_k] bool: which padded key each padded query row sees."""
+    device = metadata.seq_lens.device
+    cu = metadata.cu_seqlens_q.to(torch.int64)
+    seq_lens = metadata.seq_lens.to(torch.int64)
+    q_pos = torch.arange(q_valid.shape[1], device=device)
+    kv_pos = torch.arange(metadata.max_seq_len, device=device).view(1, 1, -1)
+    # Query i of a sequence sits at absolute position seq_len - query_len + i.
+    q_abs = (seq_lens - (cu[1:] - cu[:-1])).unsqueeze(1) + q_pos.unsqueeze(0)  # [B, max_q]
+    mask = kv_pos <= q_abs.unsqueeze(-1)  # [B, max_q, max_k]
+    mask &= kv_pos < seq_lens.view(-1, 1, 1)
+    if sliding_window is not None:  # transformers' sliding_window_overlay
+        mask &= kv_pos > (q_abs - sliding_window).unsqueeze(-1)
+    mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no NaN
+    return mask.unsqueeze(1)
 
 
 def _grouped_query_attention(query, keys, values, mask, scale, groups: int) -> torch.Tensor:

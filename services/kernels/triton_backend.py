@@ -92,8 +92,9 @@ class TritonBackend:
         )
 
     def paged_attention(
-        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
-    ):
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
+        sliding_window=None,
+    ):  # fmt: skip
         if "triton" not in metadata.backend_data:
             self.prepare_attention(metadata)
         block_tables, seq_lens, cu_seqlens_q, split_rows = metadata.backend_data["triton"]
@@ -111,4 +112,5 @@ class TritonBackend:
             k_scale=k_scale,
             v_scale=v_scale,
             split_decode_rows=split_rows,
+            sliding_window=sliding_window,
         )

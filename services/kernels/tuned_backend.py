@@ -121,10 +121,13 @@ class TunedBackend:
         self._pick[f"paged_attention.{attention_class(metadata)}"].prepare_attention(metadata)
 
     def paged_attention(
-        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None
-    ):
+        self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
+        sliding_window=None,
+    ):  # fmt: skip
         backend = self._pick[f"paged_attention.{attention_class(metadata)}"]
-        return backend.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        return backend.paged_attention(
+            q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window
+        )
 
 
 def build_tuned_backend(shapes: KernelShapes, device, choices=None, **tune_kwargs):

@@ -18,6 +18,7 @@ from services.models.layers import (
     VocabParallelEmbedding,
 )
 from services.models.rope import cos_sin_cache, rope_parameters
+from services.models.sliding_window import layer_sliding_windows
 from services.models.tensor_parallel import TPGroup
 
 __all__ = ["Attention", "DecoderLayer", "Linear", "LlamaForCausalLM", "MLP", "RMSNorm"]
@@ -43,7 +44,13 @@ class Attention(nn.Module):
     (num_heads / num_kv_heads are this rank's)."""
 
     def __init__(
-        self, config, ops: KernelBackend, qk_norm: bool, tp: TPGroup, biases: tuple[bool, bool]
+        self,
+        config,
+        ops: KernelBackend,
+        qk_norm: bool,
+        tp: TPGroup,
+        biases: tuple[bool, bool],
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.ops = ops
@@ -65,6 +72,8 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        # this layer's window (sliding_window.py): keys q - window < k <= q; None: full
+        self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         # FP8 KV cache scales (stored = value / scale): the checkpoint's k_scale /
@@ -87,7 +96,9 @@ class Attention(nn.Module):
         q = self.ops.rope_and_store_kv(
             positions, q, k, v, cos_sin, kc, vc, meta.slot_mapping, ks, vs, qk_norm
         )
-        out = self.ops.paged_attention(q, kc, vc, meta, self.scale, ks, vs)
+        out = self.ops.paged_attention(
+            q, kc, vc, meta, self.scale, ks, vs, sliding_window=self.sliding_window
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -142,7 +153,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, make_attention(config, ops), make_mlp(config, ops, i))
+            DecoderLayer(config, ops, make_attention(config, ops, i), make_mlp(config, ops, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -190,8 +201,15 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def make_attention(self, config, ops: KernelBackend) -> Attention:
-        return Attention(config, ops, self.qk_norm, self.tp, self.attention_biases(config))
+    def make_attention(self, config, ops: KernelBackend, layer_idx: int) -> Attention:
+        return Attention(
+            config,
+            ops,
+            self.qk_norm,
+            self.tp,
+            self.attention_biases(config),
+            layer_sliding_windows(config)[layer_idx],
+        )
 
     def make_mlp(self, config, ops: KernelBackend, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer layer_idx (MoE families override this)."""

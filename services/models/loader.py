@@ -30,6 +30,11 @@ from services.models.kv_scales import kv_scale_name, load_kv_scale
 from services.models.moe import FusedMoE
 from services.models.quantization import QuantConfig, quantization_of
 from services.models.registry import model_class
+from services.models.sliding_window import (
+    WINDOWED_FAMILIES,
+    active_sliding_window,
+    layer_sliding_windows,
+)
 from services.models.tensor_parallel import TPGroup, check_split
 
 log = logging.getLogger(__name__)
@@ -74,14 +79,17 @@ def check_supported(
     differently from the checkpoint's own model, or cannot split over tp_size ranks."""
     quantization_of(hf_config, quantization)  # raises for an unsupported method
     check_split(hf_config, tp_size)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and max_model_len > window:
-        # attention covers the whole context here, which equals windowed attention only
-        # while no sequence is longer than the window
+    layer_sliding_windows(hf_config)  # raises for a window or layer_types it cannot place
+    window = active_sliding_window(hf_config)
+    family = getattr(hf_config, "model_type", None)
+    if window and family not in WINDOWED_FAMILIES and max_model_len > window:
+        # transformers' model of this family ignores the window, but the weights may
+        # expect it: the two agree only while no sequence is longer than the window
         raise ValueError(
-            f"sliding_window={window} (config.json): attention here covers the whole "
-            f"context, which equals the model's only up to {window} tokens; max_model_len "
-            f"is {max_model_len}: pass --max-model-len {window} (or less)"
+            f"sliding_window={window} (config.json) with model_type {family!r}: sliding-"
+            f"window attention is applied for {', '.join(WINDOWED_FAMILIES)} only; this "
+            f"model's full attention equals the window only up to {window} tokens and "
+            f"max_model_len is {max_model_len}: pass --max-model-len {window} (or less)"
         )
 
 
@@ -125,6 +133,11 @@ def load_model(
         _load_safetensors(model, model_path, quant)
     # RoPE tables stay fp32: bf16 angles lose the position precision long contexts need.
     model.init_rope_cache(max_position, device)
+    for attn in model.attention_layers():
+        # a window no position reaches never binds: as full attention it keeps the
+        # kernels' unwindowed paths (the reference's maskless decode, AITER's split-K)
+        if attn.sliding_window is not None and attn.sliding_window >= max_position:
+            attn.sliding_window = None
     return model.eval()
 
 

@@ -58,12 +58,21 @@ def _random_biases(model, std: float) -> None:
                 param.normal_(0.0, std)
 
 
-def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
+def save_random_model(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     """A small random-weight Llama (llama3 rope scaling, untied head), Qwen3, Qwen2
-    (q/k/v biases, tied embeddings) or Phi-3 (fused q/k/v and gate/up tensors)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    (q/k/v biases, tied embeddings), Phi-3 (fused q/k/v and gate/up tensors) or Mistral
+    (sliding_window null unless overridden). overrides: config fields, given to the
+    config's constructor (Qwen's layer_types derive from use_sliding_window there)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
-    common = dict(_SMALL, intermediate_size=256, initializer_range=0.5)
+    common = dict(_SMALL, intermediate_size=256, initializer_range=0.5, **overrides)
     if kind == "llama":
         config = LlamaConfig(
             **common,
@@ -96,6 +105,12 @@ def save_random_model(path: Path, kind: str, seed: int = 0) -> Path:
         config = Qwen2Config(
             **common,
             tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    elif kind == "mistral":  # MistralForCausalLM, served by our Llama class
+        config = MistralConfig(
+            **{"sliding_window": None, **common},
+            tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )
     else:

@@ -84,7 +84,7 @@ def make_attention_batch(
     return q.to(dev), kv[:, layer, 0], kv[:, layer, 1], meta, kv
 
 
-def reference_attention(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+def reference_attention(q, k_cache, v_cache, meta, scale, sliding_window=None) -> torch.Tensor:
     """The torch backend in fp32 on the same inputs (fresh metadata, no shared cache)."""
     from services.kernels.torch_backend import TorchBackend
 
@@ -97,4 +97,6 @@ def reference_attention(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         max_seq_len=meta.max_seq_len,
         block_size=meta.block_size,
     )
-    return TorchBackend().paged_attention(q.float(), k_cache.float(), v_cache.float(), fresh, scale)
+    return TorchBackend().paged_attention(
+        q.float(), k_cache.float(), v_cache.float(), fresh, scale, sliding_window=sliding_window
+    )

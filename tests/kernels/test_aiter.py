@@ -180,6 +180,23 @@ def test_aiter_unified_attention_on_strided_block_major_cache(aiter_backend, dev
 
 
 @needs_aiter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # aiter's padded rows divide by 0
+@pytest.mark.parametrize("window", [5, 16, 33])
+def test_aiter_sliding_window(window, aiter_backend, device):
+    # window_size (window - 1, 0): keys q - window < k <= q, as the reference; and the
+    # fallback (block size 1) gets the window too
+    dtype = torch.float16
+    for block_size in (16, 1):
+        q, k_cache, v_cache, meta, _ = make_attention_batch(
+            [1, 1, 37, 5, 1], [40, 3, 20, 0, 70], block_size=block_size, num_q_heads=8,
+            num_kv_heads=2, head_dim=32, dtype=dtype, device=device,
+        )  # fmt: skip
+        out = aiter_backend.paged_attention(q, k_cache, v_cache, meta, 0.2, sliding_window=window)
+        ref = reference_attention(q, k_cache, v_cache, meta, 0.2, sliding_window=window)
+        assert_close_rel(out, ref, dtype)
+
+
+@needs_aiter
 def test_aiter_falls_back_for_block_size_1(aiter_backend, device):
     q, k_cache, v_cache, meta, _ = make_attention_batch(
         [3, 1],

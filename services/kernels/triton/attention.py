@@ -4,7 +4,9 @@ One kernel serves every row kind. Sequence i owns query rows cu_seqlens_q[i] :
 cu_seqlens_q[i+1] and, after this step, seq_lens[i] keys in the paged cache; its query
 row j sits at absolute position context_len + j (context_len = seq_len - query_len),
 so a decode row (query_len 1) sees every key and a prefill chunk that follows cached
-prefix blocks sees the prefix plus a causal triangle of its own keys.
+prefix blocks sees the prefix plus a causal triangle of its own keys. With a sliding
+window (SLIDING) row p sees only keys p - window < k <= p, and a program starts its key
+walk at the first tile holding a key its first row sees.
 
 Grid: (q_blocks, num_kv_heads, num_splits).
 - q_blocks: each program takes BLOCK_Q consecutive query rows of ONE sequence and all
@@ -63,8 +65,9 @@ _LOG2E = 1.4426950408889634
 # Ints that vary from batch to batch are not specialized: Triton would compile another
 # variant whenever one turns 1 or a multiple of 16 (a batch's sequence count, its block
 # table width), i.e. on the serving path after the warm-up (measured on the H200: the
-# only compilations after ready). Neither feeds a vectorized address.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# only compilations after ready). Neither feeds a vectorized address. A layer's window
+# is fixed, but unspecialized it keeps one variant for every window size.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "sliding_window"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -78,6 +81,7 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache; KV_F16: without the softmax scale)
     q_scale,  # KV_F16: the softmax scale, applied to q before its fp16 cast; else unused
     v_scale,  # FP8 cache: the accumulator's factor; else unused
+    sliding_window,  # SLIDING: keys p - sliding_window < k <= p; else unused
     num_seqs,
     num_q_heads,
     stride_qt,
@@ -108,6 +112,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # FP8 cache: computed in q's dtype, or in fp16 (KV_F16)
     KV_F16: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
+    SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)
@@ -163,12 +168,17 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, query_len)
     limit = context_len + q_row
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    first_tile = 0
+    if SLIDING:
+        # the block's first row sees the earliest keys: skip the tiles before them
+        first_tile = tl.maximum(context_len + q_block_local * BLOCK_Q - sliding_window + 1, 0)
+        first_tile = first_tile // TILE_N
     if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -196,6 +206,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision=PRECISION)
         s = s * qk_scale
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= limit[:, None])
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > limit[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -304,6 +316,7 @@ def paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     split_decode_rows: bool = False,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
@@ -312,8 +325,11 @@ def paged_attention(
     split_decode_rows (with max_query_len > 1): two launches, the one-query rows at a
     decode configuration and the longer ones at this batch's; a single configuration
     sized for long queries gives each decode row a whole prefill tile (mostly idle).
-    Lengths stay on the device: both grids cover every sequence and skip the others'."""
+    Lengths stay on the device: both grids cover every sequence and skip the others'.
+    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p)."""
     kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     n_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -331,10 +347,15 @@ def paged_attention(
     sizes = (n_tokens, num_seqs, num_q_heads, num_kv_heads)
     # a forced key-split count keeps one launch (the merge would cover every row)
     split = split_decode_rows and max_query_len > 1 and num_splits in (None, 1)
+    # splits and tiles are sized for the keys one q block walks: with a window, at most
+    # window + max_query_len - 1 of them
+    kv_span = max_seq_len
+    if sliding_window is not None:
+        kv_span = min(max_seq_len, sliding_window + max_query_len - 1)
     cfg = attention_config(
         *sizes,
         max_query_len,
-        max_seq_len,
+        kv_span,
         device_sms(q),
         interp,
         1 if split else num_splits,
@@ -345,7 +366,7 @@ def paged_attention(
     launches = [(0, cfg)]
     if split:
         decode = attention_config(
-            *sizes, 1, max_seq_len, device_sms(q), interp, 1, smem=smem, kv_fp8=kv_fp8
+            *sizes, 1, kv_span, device_sms(q), interp, 1, smem=smem, kv_fp8=kv_fp8
         )
         launches = [(1, decode), (2, cfg)]
     head_dim_p = max(16, next_pow2(head_dim))
@@ -383,6 +404,7 @@ def paged_attention(
             qk_scale,
             float(scale),
             1.0 if v_scale is None else float(v_scale),
+            sliding_window or 0,
             num_seqs,
             num_q_heads,
             *q.stride(),
@@ -403,6 +425,7 @@ def paged_attention(
             KV_FP8=kv_fp8,
             KV_F16=kv_f16,
             ROWS=rows,
+            SLIDING=sliding_window is not None,
             USE_PDL=pdl,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
