@@ -122,7 +122,8 @@ def test_windowed_models_on_gpu_match_transformers(kind, backend, tmp_path, monk
         block_size=16,
         max_num_batched_tokens=32,
     )
-    assert llm.engine.runner.graph_runner is not None
+    # the torch reference cannot be captured (host lengths): it runs eagerly
+    assert (llm.engine.runner.graph_runner is None) == (backend == "torch")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 17, 40, 100)]
     _check(llm, hf, prompts, max_tokens=40)
