@@ -294,7 +294,8 @@ def main() -> None:
     llm.generate(prompts, sp)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
-    layers, hd, heads = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_attention_heads"]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads  # Qwen2 / Phi-3 configs have none
     # GEMMs of the active parameters + causal attention
     flops = 2 * active_params * n * L + 2 * 2 * layers * heads * hd * n * L * L / 2
     results["prefill"] = {"prompts": n, "len": L, "seconds": dt, "tflops": flops / dt / 1e12}

@@ -253,11 +253,12 @@ def test_candidate_configs(t, e, top_k):
             assert _smem_bytes(cfg, torch.bfloat16) <= 232448
 
 
-@pytest.mark.parametrize("t,e,top_k", [(1, 4, 1), (3, 8, 2), (17, 4, 4), (6, 8, 2)])
+@pytest.mark.parametrize("t,e,top_k", [(1, 4, 1), (3, 8, 2), (17, 4, 4), (6, 8, 2), (2, 160, 4)])
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_gemv_path_matches_reference(t, e, top_k, renormalize, device):
     """The GEMV path (moe_gemv.py): ragged H and I (K and N tails), experts no token
-    picks, every expert picked (top_k == E)."""
+    picks, every expert picked (top_k == E); routing by rank, and past 128 experts by
+    repeated max passes."""
     x, logits, w13, w2 = _moe_inputs(t, e, 40, 24, device=device, seed=t + e)
     out = fused_moe(x, logits, w13, w2, top_k, renormalize, config=GEMV)
     assert out.shape == (t, 40) and out.dtype == x.dtype
