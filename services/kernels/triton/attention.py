@@ -3,10 +3,9 @@
 One kernel serves every row kind. Sequence i owns query rows cu_seqlens_q[i] :
 cu_seqlens_q[i+1] and, after this step, seq_lens[i] keys in the paged cache; its query
 row j sits at absolute position context_len + j (context_len = seq_len - query_len),
-so a decode row (query_len 1) sees every key and a prefill chunk that follows cached
-prefix blocks sees the prefix plus a causal triangle of its own keys. With a sliding
-window (SLIDING) row p sees only keys p - window < k <= p, and a program starts its key
-walk at the first tile holding a key its first row sees.
+so a decode row sees every key and a prefill chunk after cached prefix blocks sees the
+prefix plus a causal triangle. With a sliding window (SLIDING) row p sees keys
+p - window < k <= p, and a program starts at the first tile its first row sees.
 
 Grid: (q_blocks, num_kv_heads, num_splits).
 - q_blocks: each program takes BLOCK_Q consecutive query rows of ONE sequence and all
@@ -14,15 +13,13 @@ Grid: (q_blocks, num_kv_heads, num_splits).
   BLOCK_M = BLOCK_Q * Q_PER_KV rows: decode rows of a GQA model still fill a
   tensor-core tile, and K/V are read once for the whole head group. Sequence i's q
   blocks are numbered from cu_seqlens_q[i] // BLOCK_Q + i, which bounds the total by
-  T // BLOCK_Q + num_seqs without looking at the lengths on the host (no device->host
-  sync; the grid depends only on shapes, which CUDA graphs need). A program finds its
-  sequence by binary search over cu_seqlens_q and exits if it is past that sequence's
-  rows.
+  T // BLOCK_Q + num_seqs without host lengths (no sync; the grid depends on shapes
+  only, as CUDA graphs need). A program finds its sequence by binary search over
+  cu_seqlens_q and exits if it is past that sequence's rows.
 - num_splits > 1 (flash-decoding): the key range of each q block is cut into
   num_splits parts; each writes an unnormalised partial (acc, running max, running
-  sum) to fp32 scratch and a second kernel merges them. Used when the batch has too
-  few (q block, kv head) programs to fill the GPU, i.e. small decode batches with long
-  contexts.
+  sum) to fp32 scratch and a second kernel merges them: for batches with too few
+  (q block, kv head) programs to fill the GPU (small decode batches, long contexts).
 
 Keys are walked in tiles of TILE_N positions. Each position's block id comes from the
 block table (so any block size works, 1 included, and tiles may straddle blocks) and
@@ -65,8 +62,8 @@ _LOG2E = 1.4426950408889634
 # Ints that vary from batch to batch are not specialized: Triton would compile another
 # variant whenever one turns 1 or a multiple of 16 (a batch's sequence count, its block
 # table width), i.e. on the serving path after the warm-up (measured on the H200: the
-# only compilations after ready). Neither feeds a vectorized address. A layer's window
-# is fixed, but unspecialized it keeps one variant for every window size.
+# only compilations after ready). Neither feeds a vectorized address; nor does the
+# window (unspecialized: one variant for every window size).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "sliding_window"])
 def _paged_attention_kernel(
     out_ptr,
@@ -347,11 +344,8 @@ def paged_attention(
     sizes = (n_tokens, num_seqs, num_q_heads, num_kv_heads)
     # a forced key-split count keeps one launch (the merge would cover every row)
     split = split_decode_rows and max_query_len > 1 and num_splits in (None, 1)
-    # splits and tiles are sized for the keys one q block walks: with a window, at most
-    # window + max_query_len - 1 of them
-    kv_span = max_seq_len
-    if sliding_window is not None:
-        kv_span = min(max_seq_len, sliding_window + max_query_len - 1)
+    # sized for the keys one q block walks: with a window, window + max_query_len - 1
+    kv_span = min(max_seq_len, (sliding_window or max_seq_len) + max_query_len - 1)
     cfg = attention_config(
         *sizes,
         max_query_len,
