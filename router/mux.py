@@ -28,6 +28,10 @@ _CLOSE = object()  # ends the request iterator: the router half-closes the strea
 _FINISHED = object()  # a request's last response went to its sink: its iteration ends
 # this router reads TokenDeltas (services/decode/mux.py's DELTAS_METADATA)
 _METADATA = (("x-pdserve-mux", "1"), ("x-pdserve-token-deltas", "1"))
+# a worker that reads batched requests says so in its initial metadata (BATCH_METADATA)
+_BATCH_KEY, _BATCH_VALUE = "x-pdserve-batched-requests", "1"
+# a batch stops growing past this many serialized bytes (the worker takes 64 MB messages)
+_MAX_BATCH_BYTES = 4 << 20
 
 
 class WorkerCallError(Exception):
@@ -75,19 +79,42 @@ class TokenDelta:
 class _Outgoing:
     """The stream's requests, as gRPC reads them. An iterator object, not an async
     generator: one left suspended when the call ends is dropped without a finalizer
-    running on a loop that may be closed by then."""
+    running on a loop that may be closed by then.
+
+    gRPC writes one message at a time and each write costs the router's event loop
+    about as much as the rest of a request's start (docs/performance.md, issue 20), so
+    to a worker that reads batches, whatever queued up meanwhile goes as one message."""
 
     def __init__(self, queue: asyncio.Queue):
         self._queue = queue
+        self.batching = False  # set once the worker's initial metadata says it may
+        self.batches = 0  # messages that carried a batch
+        self._closing = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
+        if self._closing:
+            raise StopAsyncIteration
         message = await self._queue.get()
         if message is _CLOSE:
             raise StopAsyncIteration
-        return message
+        queue = self._queue
+        if not self.batching or queue.empty():
+            return message
+        batch, size = [message], message.ByteSize()
+        while not queue.empty() and size < _MAX_BATCH_BYTES:
+            more = queue.get_nowait()
+            if more is _CLOSE:
+                self._closing = True  # after this batch
+                break
+            batch.append(more)
+            size += more.ByteSize()
+        if len(batch) == 1:
+            return message
+        self.batches += 1
+        return decode_pb2.GenerateStreamRequest(batch=batch)
 
 
 class _Session:
@@ -96,13 +123,18 @@ class _Session:
     def __init__(self, stub, metadata):
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.requests: dict[str, MuxedRequest] = {}
-        self.call = stub.GenerateStream(_Outgoing(self.outgoing), metadata=metadata)
+        self._writer = _Outgoing(self.outgoing)
+        self.call = stub.GenerateStream(self._writer, metadata=metadata)
         self.closed: WorkerCallError | None = None
         self.reader = asyncio.create_task(self._read(), name="generate-stream")
 
     async def _read(self) -> None:
         error = WorkerCallError(grpc.StatusCode.CANCELLED, "the router closed the stream")
         try:
+            # an older worker sends it with its first response, not at once: until
+            # then, requests go one per message
+            initial = await self.call.initial_metadata()
+            self._writer.batching = (_BATCH_KEY, _BATCH_VALUE) in tuple(initial or ())
             async for message in self.call:
                 if message.deltas.request_ids:
                     self._read_deltas(message.deltas)

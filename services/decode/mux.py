@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # a router that reads TokenDeltas says so in the GenerateStream call's metadata; one
 # that does not (an older router during a rolling upgrade) gets GenerateResponses only
 DELTAS_METADATA = ("x-pdserve-token-deltas", "1")
+# this worker reads GenerateStreamRequest batches; it says so in its initial metadata,
+# so a router sends batches only to a worker that reads them
+BATCH_METADATA = ("x-pdserve-batched-requests", "1")
 
 _MAX_RESPONSES_PER_MESSAGE = 4096  # a step's items are small; bounds one message
 
@@ -289,15 +292,26 @@ class MuxSession:
 
     async def _read(self, request_iterator) -> None:
         async for message in request_iterator:
-            kind = message.WhichOneof("kind")
-            if kind == "start":
-                self._start(message.start, message.timeout_seconds)
-            elif kind == "cancel":
-                task = self.tasks.get(message.cancel)
-                if task is not None:
-                    task.cancel()
-            else:
-                raise ValueError("a GenerateStreamRequest needs start or cancel")
+            if not message.batch:
+                self._handle(message)
+                continue
+            if message.WhichOneof("kind") is not None:
+                raise ValueError("a GenerateStreamRequest has a batch or a kind, not both")
+            for entry in message.batch:
+                if entry.batch:
+                    raise ValueError("a GenerateStreamRequest batch holds no batches")
+                self._handle(entry)
+
+    def _handle(self, message) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "start":
+            self._start(message.start, message.timeout_seconds)
+        elif kind == "cancel":
+            task = self.tasks.get(message.cancel)
+            if task is not None:
+                task.cancel()
+        else:
+            raise ValueError("a GenerateStreamRequest needs start or cancel")
 
     def _start(self, start, timeout_s: float) -> None:
         rid = start.request_id

@@ -18,7 +18,14 @@ from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import convert
 from services.common.errors import RequestExistsError
 from services.common.server import WorkerContext, load_report
-from services.decode.mux import DELTAS_METADATA, MuxSession, Outbox, OutboxSink, serve_one
+from services.decode.mux import (
+    BATCH_METADATA,
+    DELTAS_METADATA,
+    MuxSession,
+    Outbox,
+    OutboxSink,
+    serve_one,
+)
 from services.decode.remote_prefill import PrefillPeers, PrefillTimings, RemotePrefill
 from services.decode.responses import ResponseBuilder
 from services.engine import apply_chat_template
@@ -121,6 +128,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             session.drain()
         self.sessions.add(session)
         try:
+            await context.send_initial_metadata((BATCH_METADATA,))
             async with contextlib.aclosing(session.serve(request_iterator)) as messages:
                 async for message in messages:
                     yield message

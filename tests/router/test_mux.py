@@ -34,6 +34,12 @@ def _gen(rid, prompt, max_tokens=8, **params):
     )
 
 
+def _prompts_and_refs(colocated, texts, max_tokens=8):
+    prompts = [colocated.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return prompts, [o.output.token_ids for o in colocated.generate(prompts, params)]
+
+
 async def _collect(request):
     tokens = []
     try:
@@ -45,11 +51,7 @@ async def _collect(request):
 
 
 def test_requests_share_a_stream_and_end_alone(decode, colocated):
-    prompts = [colocated.tokenizer.encode(t) for t in ("Hi there", "One two three", "Paris is")]
-    refs = [
-        o.output.token_ids
-        for o in colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
-    ]
+    prompts, refs = _prompts_and_refs(colocated, ("Hi there", "One two three", "Paris is"))
 
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as channel:
@@ -73,6 +75,31 @@ def test_requests_share_a_stream_and_end_alone(decode, colocated):
     assert answers == refs
     assert late_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert session.closed is not None and not session.requests
+
+
+def test_requests_opened_together_go_as_one_batch_and_answer_alike(decode, colocated):
+    texts = ["Hi there", "One two three", "Paris is", "The sky", "Once upon a time"]
+    prompts, refs = _prompts_and_refs(colocated, texts * 4)
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            mux = DecodeMux(decode_pb2_grpc.DecodeServiceStub(channel))
+            first = mux.open(_gen("first", prompts[0]), 60)
+            await first.__anext__()  # the worker's initial metadata has arrived by now
+            writer = mux._session._writer
+            assert writer.batching  # this worker reads batches
+            # opened in one go: the writer wakes once, with all of them queued
+            requests = [mux.open(_gen(f"b{i}", p), 60) for i, p in enumerate(prompts)]
+            answers = await asyncio.gather(*(_collect(r) for r in requests))
+            await _collect(first)
+            decode.wait_all_blocks_free(timeout=1.0)
+            batches = writer.batches
+            await mux.close()
+            return answers, batches
+
+    answers, batches = asyncio.run(run())
+    assert answers == refs
+    assert batches >= 1
 
 
 def test_a_broken_stream_fails_its_requests_and_the_next_opens_another(decode, colocated):
@@ -192,6 +219,9 @@ class _BrokenColumns:
 
     def GenerateStream(self, requests, metadata=None):  # noqa: N802 (the stub's name)
         return self
+
+    async def initial_metadata(self):
+        return ()  # an older worker's: no batches
 
     def __aiter__(self):
         return self._messages()

@@ -184,3 +184,62 @@ def test_a_vanished_caller_frees_every_request(pair, colocated):
     prefill.wait_all_blocks_free()
     report = decode.wait_all_blocks_free()
     assert report.num_running == 0 and report.num_free_blocks == report.num_total_blocks
+
+
+def test_batched_starts_and_cancels_equal_single_messages(pair, colocated):
+    prefill, decode = pair
+    prompts = [colocated.tokenizer.encode(t) for t in ("Paris is", "Count: one, two", "Hi")]
+    refs = expected(colocated, prompts, MAX_TOKENS)
+
+    async def run():
+        s = Stream(decode, deltas=True)
+        initial = await s.call.initial_metadata()
+        s.outgoing.put_nowait(
+            decode_pb2.GenerateStreamRequest(
+                batch=[
+                    _start("p0", prompts[0], prefill),
+                    _start("p1", prompts[1]),
+                    _start("long", prompts[2], prefill, max_tokens=4000, ignore_eos=True),
+                ]
+            )
+        )
+        await s.read_until(lambda s: "long" in s.tokens)
+        cancel = decode_pb2.GenerateStreamRequest(cancel="long")
+        s.outgoing.put_nowait(
+            decode_pb2.GenerateStreamRequest(batch=[cancel, _start("p2", prompts[2], prefill)])
+        )
+        await s.read_until(lambda s: {"p0", "p1", "p2"} <= s.finals.keys())
+        await s.close()
+        return s, tuple(initial)
+
+    s, initial = asyncio.run(run())
+    assert ("x-pdserve-batched-requests", "1") in initial
+    assert [s.tokens[r] for r in ("p0", "p1", "p2")] == refs
+    assert "long" not in s.finals and "long" not in s.errors  # cancelled: nothing more
+    prefill.wait_all_blocks_free()
+    decode.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("bad", ["kind and batch", "nested batch"])
+def test_a_malformed_batch_ends_the_stream_with_invalid_argument(pair, colocated, bad):
+    prefill, decode = pair
+    start = _start("m0", colocated.tokenizer.encode("Hello"), prefill)
+    if bad == "kind and batch":
+        message = decode_pb2.GenerateStreamRequest(cancel="m0", batch=[start])
+    else:
+        inner = decode_pb2.GenerateStreamRequest(batch=[start])
+        message = decode_pb2.GenerateStreamRequest(batch=[inner])
+
+    async def run():
+        s = Stream(decode)
+        s.outgoing.put_nowait(message)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await s.read_until(lambda s: False, timeout=30)
+        await s.close()
+        return e.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "batch" in error.details()
+    prefill.wait_all_blocks_free()
+    decode.wait_all_blocks_free()

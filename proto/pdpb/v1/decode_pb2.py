@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdpb.v1 import common_pb2 as pdpb_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdpb/v1/decode.proto\x12\x07pdpb.v1\x1a\x14pdpb/v1/common.proto\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdpb.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdpb.v1.ConversationH\x00\x12\x30\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x17.pdpb.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x15\n\rreturn_prompt\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xfe\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.pdpb.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.pdpb.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.pdpb.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12!\n\x07timings\x18\x0b \x01(\x0b\x32\x10.pdpb.v1.Timings\x12.\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x15.pdpb.v1.TokenLogprobB\r\n\x0bstop_reason\"u\n\x15GenerateStreamRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.pdpb.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x42\x06\n\x04kind\"H\n\x13GenerateStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"o\n\x0bTokenDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x14\n\x0ctext_lengths\x18\x05 \x03(\r\"\x9a\x01\n\x16GenerateStreamResponse\x12$\n\x06\x64\x65ltas\x18\x03 \x01(\x0b\x32\x14.pdpb.v1.TokenDeltas\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.pdpb.v1.GenerateResponse\x12,\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1c.pdpb.v1.GenerateStreamError\"v\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x18\n\x10prefill_fallback\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05\"0\n\x15\x41\x64\x64PrefillPeerRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\",\n\x16\x41\x64\x64PrefillPeerResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x89\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.pdpb.v1.ConversationH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xf5\x03\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdpb.v1.GenerateRequest\x1a\x19.pdpb.v1.GenerateResponse0\x01\x12U\n\x0eGenerateStream\x12\x1e.pdpb.v1.GenerateStreamRequest\x1a\x1f.pdpb.v1.GenerateStreamResponse(\x01\x30\x01\x12\x36\n\x05\x41\x62ort\x12\x15.pdpb.v1.AbortRequest\x1a\x16.pdpb.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x17.pdpb.v1.GetLoadRequest\x1a\x13.pdpb.v1.LoadReport\x12Q\n\x0e\x41\x64\x64PrefillPeer\x12\x1e.pdpb.v1.AddPrefillPeerRequest\x1a\x1f.pdpb.v1.AddPrefillPeerResponse\x12?\n\x08Tokenize\x12\x18.pdpb.v1.TokenizeRequest\x1a\x19.pdpb.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.pdpb.v1.DetokenizeRequest\x1a\x1b.pdpb.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdpb/v1/decode.proto\x12\x07pdpb.v1\x1a\x14pdpb/v1/common.proto\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdpb.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdpb.v1.ConversationH\x00\x12\x30\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x17.pdpb.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x15\n\rreturn_prompt\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xfe\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.pdpb.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.pdpb.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.pdpb.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12!\n\x07timings\x18\x0b \x01(\x0b\x32\x10.pdpb.v1.Timings\x12.\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x15.pdpb.v1.TokenLogprobB\r\n\x0bstop_reason\"\xa4\x01\n\x15GenerateStreamRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.pdpb.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12-\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x1e.pdpb.v1.GenerateStreamRequestB\x06\n\x04kind\"H\n\x13GenerateStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"o\n\x0bTokenDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x14\n\x0ctext_lengths\x18\x05 \x03(\r\"\x9a\x01\n\x16GenerateStreamResponse\x12$\n\x06\x64\x65ltas\x18\x03 \x01(\x0b\x32\x14.pdpb.v1.TokenDeltas\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.pdpb.v1.GenerateResponse\x12,\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1c.pdpb.v1.GenerateStreamError\"v\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x18\n\x10prefill_fallback\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05\"0\n\x15\x41\x64\x64PrefillPeerRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\",\n\x16\x41\x64\x64PrefillPeerResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x89\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.pdpb.v1.ConversationH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xf5\x03\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdpb.v1.GenerateRequest\x1a\x19.pdpb.v1.GenerateResponse0\x01\x12U\n\x0eGenerateStream\x12\x1e.pdpb.v1.GenerateStreamRequest\x1a\x1f.pdpb.v1.GenerateStreamResponse(\x01\x30\x01\x12\x36\n\x05\x41\x62ort\x12\x15.pdpb.v1.AbortRequest\x1a\x16.pdpb.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x17.pdpb.v1.GetLoadRequest\x1a\x13.pdpb.v1.LoadReport\x12Q\n\x0e\x41\x64\x64PrefillPeer\x12\x1e.pdpb.v1.AddPrefillPeerRequest\x1a\x1f.pdpb.v1.AddPrefillPeerResponse\x12?\n\x08Tokenize\x12\x18.pdpb.v1.TokenizeRequest\x1a\x19.pdpb.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.pdpb.v1.DetokenizeRequest\x1a\x1b.pdpb.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=296
   _globals['_GENERATERESPONSE']._serialized_start=299
   _globals['_GENERATERESPONSE']._serialized_end=681
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=683
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=800
-  _globals['_GENERATESTREAMERROR']._serialized_start=802
-  _globals['_GENERATESTREAMERROR']._serialized_end=874
-  _globals['_TOKENDELTAS']._serialized_start=876
-  _globals['_TOKENDELTAS']._serialized_end=987
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=990
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1144
-  _globals['_TIMINGS']._serialized_start=1146
-  _globals['_TIMINGS']._serialized_end=1264
-  _globals['_ADDPREFILLPEERREQUEST']._serialized_start=1266
-  _globals['_ADDPREFILLPEERREQUEST']._serialized_end=1314
-  _globals['_ADDPREFILLPEERRESPONSE']._serialized_start=1316
-  _globals['_ADDPREFILLPEERRESPONSE']._serialized_end=1360
-  _globals['_TOKENIZEREQUEST']._serialized_start=1363
-  _globals['_TOKENIZEREQUEST']._serialized_end=1500
-  _globals['_TOKENIZERESPONSE']._serialized_start=1502
-  _globals['_TOKENIZERESPONSE']._serialized_end=1559
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1561
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1599
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1601
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1635
-  _globals['_DECODESERVICE']._serialized_start=1638
-  _globals['_DECODESERVICE']._serialized_end=2139
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=684
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=848
+  _globals['_GENERATESTREAMERROR']._serialized_start=850
+  _globals['_GENERATESTREAMERROR']._serialized_end=922
+  _globals['_TOKENDELTAS']._serialized_start=924
+  _globals['_TOKENDELTAS']._serialized_end=1035
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1038
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1192
+  _globals['_TIMINGS']._serialized_start=1194
+  _globals['_TIMINGS']._serialized_end=1312
+  _globals['_ADDPREFILLPEERREQUEST']._serialized_start=1314
+  _globals['_ADDPREFILLPEERREQUEST']._serialized_end=1362
+  _globals['_ADDPREFILLPEERRESPONSE']._serialized_start=1364
+  _globals['_ADDPREFILLPEERRESPONSE']._serialized_end=1408
+  _globals['_TOKENIZEREQUEST']._serialized_start=1411
+  _globals['_TOKENIZEREQUEST']._serialized_end=1548
+  _globals['_TOKENIZERESPONSE']._serialized_start=1550
+  _globals['_TOKENIZERESPONSE']._serialized_end=1607
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1609
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1647
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1649
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1683
+  _globals['_DECODESERVICE']._serialized_start=1686
+  _globals['_DECODESERVICE']._serialized_end=2187
 # @@protoc_insertion_point(module_scope)
