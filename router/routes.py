@@ -156,7 +156,7 @@ async def _stream(request: web.Request, run, builder: ResponseBuilder) -> web.St
         ev = await anext(events)
         if ev.error is not None:
             raise ev.error
-        resp = web.StreamResponse(headers={**sse.HEADERS, HEADER: request[REQUEST_ID]})
+        resp = sse.EventStream(headers={**sse.HEADERS, HEADER: request[REQUEST_ID]})
         await resp.prepare(request)
         # Events already waiting go out in one write (one send, not one per token):
         # a router behind its workers catches up instead of paying per event.
@@ -179,8 +179,7 @@ async def _stream(request: web.Request, run, builder: ResponseBuilder) -> web.St
                         pending.append(sse.event(builder.usage_chunk()))
                     break
             pending.append(sse.DONE)
-            await resp.write(b"".join(pending))
-            await resp.write_eof()
+            await resp.write_eof(b"".join(pending))  # the last events and the end: one send
         except ConnectionResetError:
             request[REQUEST_LOG].info("client disconnected mid-stream; worker requests cancelled")
     return resp

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from aiohttp import web
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = {
     "Content-Type": "text/event-stream",
@@ -18,3 +20,11 @@ _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 def event(obj: dict) -> bytes:
     return b"data: " + _encode(obj).encode() + b"\n\n"
+
+
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers go out with its first event, in one send (the
+    buffering aiohttp's own web.Response opts into): a short stream then costs two
+    sends, headers with the first event and the rest with the end of the body."""
+
+    _send_headers_immediately = False
