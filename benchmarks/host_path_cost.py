@@ -158,6 +158,9 @@ def router_cost(messages: list[bytes], seqs: int, rounds: int) -> float:
         def __init__(self):
             self.elapsed = 0.0
 
+        async def initial_metadata(self):
+            return (("x-pdserve-batched-requests", "1"),)  # as the worker's
+
         def __aiter__(self):
             return self._messages()
 

@@ -13,6 +13,10 @@ count every client's requests, so run the benchmark alone).
 
     python benchmarks/serving_bench.py --base-url http://127.0.0.1:8000 \\
         --num-prompts 200 --input-len 1024 --output-len 128 --max-concurrency 16
+
+At hundreds of streams one Python client parsing every event becomes the bottleneck
+it measures: --clients N splits the prompts and the concurrency over N processes that
+start together, and the summary pools their requests (percentiles over all of them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -162,10 +167,12 @@ async def run_benchmark(
     api_key: str | None = None,
     timeout_s: float = 600.0,
     warmup: int = 1,
+    ready=None,
 ) -> dict:
     """Send `warmup` uncounted requests one by one (first-request costs: kernel
     compilation, connections), then the measured ones; return the summary (latencies in
-    ms) plus per-request results under "requests"."""
+    ms) plus per-request results under "requests". `ready`: awaited between the two
+    (run_clients' start line)."""
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("num_prompts, input_len and output_len must be >= 1")
     if max_concurrency is not None and max_concurrency < 1:
@@ -214,6 +221,8 @@ async def run_benchmark(
             if not res.ok:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
 
+        if ready is not None:
+            await ready()
         metrics_before = await server_histograms(session, base_url)
         start = time.perf_counter()
         tasks = []
@@ -224,18 +233,25 @@ async def run_benchmark(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         metrics_after = await server_histograms(session, base_url)
+    meta = dict(
+        model=model,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        shared_prefix_len=shared_prefix_len,
+        max_concurrency=max_concurrency,
+        request_rate=request_rate,
+    )
+    return summarize(results, duration, metrics_before, metrics_after, meta)
 
+
+def summarize(results, duration, metrics_before, metrics_after, meta: dict) -> dict:
+    """The summary of one run's RequestResults (those of several clients pooled)."""
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
     return {
-        "model": model,
-        "num_prompts": num_prompts,
-        "input_len": input_len,
-        "output_len": output_len,
-        "shared_prefix_len": shared_prefix_len,
-        "max_concurrency": max_concurrency,
-        "request_rate": request_rate,
+        **meta,
         "completed": len(done),
         "failed": len(results) - len(done),
         "first_error": next((r.error for r in results if not r.ok), ""),
@@ -252,7 +268,87 @@ async def run_benchmark(
         "cached_prompt_tokens": sum(r.cached_tokens for r in done),
         "server_ms": _server_means(metrics_before, metrics_after),
         "requests": [asdict(r) | {"itl": len(r.itl)} for r in results],
+        "_results": results,  # with every ITL; popped before the JSON is written
     }
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _client_process(base_url: str, kwargs: dict, barrier, out) -> None:
+    def start_line() -> None:
+        barrier.wait()  # every client warmed up: the parent reads the router's metrics
+        barrier.wait()  # and lets all of them go at once
+
+    async def ready() -> None:
+        await asyncio.to_thread(start_line)
+
+    try:
+        s = asyncio.run(run_benchmark(base_url, ready=ready, **kwargs))
+        out.put((s["model"], [asdict(r) for r in s["_results"]], time.time()))
+    except BaseException as e:  # the parent reports it rather than waiting forever
+        barrier.abort()
+        out.put(e)
+        raise
+
+
+def run_clients(base_url: str, *, clients: int, num_prompts: int, max_concurrency=None, **kw):
+    """run_benchmark's measurement over `clients` processes started together (each
+    with its share of the prompts and of the concurrency, and its own seed), pooled."""
+    if clients < 1 or clients > num_prompts:
+        raise ValueError("clients must be in [1, num_prompts]")
+    if max_concurrency is not None and max_concurrency < clients:
+        raise ValueError("max_concurrency must be at least clients")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(clients + 1), ctx.Queue()
+    conc = _shares(max_concurrency, clients) if max_concurrency else [None] * clients
+    seed, rate = kw.pop("seed", 0), kw.pop("request_rate", math.inf)
+    share = dict(kw, request_rate=rate / clients)  # Poisson arrivals add up to `rate`
+    procs = [
+        ctx.Process(
+            target=_client_process,
+            args=(
+                base_url,
+                share | dict(num_prompts=n, max_concurrency=c, seed=seed + i),
+                barrier,
+                out,
+            ),
+        )
+        for i, (n, c) in enumerate(zip(_shares(num_prompts, clients), conc))
+    ]
+    for p in procs:
+        p.start()
+    try:
+        timeout = kw.get("timeout_s", 600.0)
+        barrier.wait(timeout)
+        session_metrics = asyncio.run(_histograms(base_url))
+        start = time.time()
+        barrier.wait(timeout)
+        parts = [out.get(timeout=timeout * 2) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+    if errors := [e for e in parts if isinstance(e, BaseException)]:
+        raise RuntimeError(f"a client failed: {errors[0]!r}")
+    results = [RequestResult(**r) for _, rs, _ in parts for r in rs]
+    duration = max(end for _, _, end in parts) - start
+    meta = dict(
+        model=parts[0][0],
+        num_prompts=num_prompts,
+        input_len=kw["input_len"],
+        output_len=kw["output_len"],
+        shared_prefix_len=kw.get("shared_prefix_len", 0),
+        max_concurrency=max_concurrency,
+        request_rate=rate,
+    )
+    after = asyncio.run(_histograms(base_url))
+    return summarize(results, duration, session_metrics, after, meta | {"clients": clients})
+
+
+async def _histograms(base_url: str) -> dict | None:
+    async with aiohttp.ClientSession() as session:
+        return await server_histograms(session, base_url.rstrip("/").removesuffix("/v1"))
 
 
 def format_summary(s: dict) -> str:
@@ -310,25 +406,30 @@ def main() -> None:
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--clients", type=int, default=1, help="client processes sharing the load (pooled)"
+    )
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.token_range.split(","))
-    summary = asyncio.run(
-        run_benchmark(
-            args.base_url,
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            max_concurrency=args.max_concurrency,
-            request_rate=args.request_rate,
-            model=args.model,
-            token_range=(lo, hi),
-            shared_prefix_len=args.shared_prefix_len,
-            seed=args.seed,
-            api_key=args.api_key,
-            timeout_s=args.timeout,
-            warmup=args.warmup,
-        )
+    kwargs = dict(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        model=args.model,
+        token_range=(lo, hi),
+        shared_prefix_len=args.shared_prefix_len,
+        seed=args.seed,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+        warmup=args.warmup,
     )
+    if args.clients > 1:
+        summary = run_clients(args.base_url, clients=args.clients, **kwargs)
+    else:
+        summary = asyncio.run(run_benchmark(args.base_url, **kwargs))
+    summary.pop("_results")
     print(format_summary(summary), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

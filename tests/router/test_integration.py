@@ -394,7 +394,7 @@ def test_serving_benchmark_against_real_workers(router, pair):
     """benchmarks/serving_bench.py: every streamed request is timed and counted, a
     rejected one is reported as failed (not raised), and the workers end with every
     KV block free."""
-    from benchmarks.serving_bench import run_benchmark
+    from benchmarks.serving_bench import run_benchmark, run_clients
 
     s = asyncio.run(
         run_benchmark(
@@ -435,6 +435,18 @@ def test_serving_benchmark_against_real_workers(router, pair):
     )
     assert (bad["completed"], bad["failed"]) == (0, 1)
     assert bad["first_error"].startswith("HTTP 400")
+
+    # two client processes that start together, their requests pooled
+    pooled = run_clients(
+        router.url, clients=2, num_prompts=5, input_len=40, output_len=8, max_concurrency=4
+    )
+    assert (pooled["completed"], pooled["failed"], pooled["clients"]) == (5, 0, 2)
+    assert all(r["output_tokens"] == 8 and r["itl"] >= 1 for r in pooled["requests"])
+    itls = [x for r in pooled["_results"] for x in r.itl]
+    assert len(itls) == sum(r["itl"] for r in pooled["requests"])
+    assert min(itls) * 1e3 <= pooled["itl_ms"]["median"] <= max(itls) * 1e3
+    assert pooled["server_ms"]["prefill_time_ms"] > 0  # the router's, over both clients
+    assert pooled["output_throughput"] > 0
     assert_all_blocks_free(pair)
 
 
