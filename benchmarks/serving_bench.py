@@ -91,9 +91,10 @@ async def _one_request(
 
 
 def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    """mean / median / p90 / p99 in milliseconds (nearest-rank percentiles)."""
+    """mean / median / p90 / p99 in milliseconds (nearest-rank percentiles), and how
+    many values they summarize."""
     if not values:
-        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan}
+        return {"mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
     s = sorted(values)
 
     def rank(p: float) -> float:
@@ -104,6 +105,7 @@ def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
         "median": statistics.median(s) * scale,
         "p90": rank(90) * scale,
         "p99": rank(99) * scale,
+        "n": len(s),
     }
 
 
@@ -152,7 +154,14 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, headers: di
         return (await resp.json())["data"][0]["id"]
 
 
-async def run_benchmark(
+async def run_benchmark(base_url: str, **kwargs) -> dict:
+    """Send `warmup` uncounted requests one by one (first-request costs: kernel
+    compilation, connections), then the measured ones; return the summary (latencies in
+    ms) plus per-request results under "requests". kwargs: _measure's."""
+    return summarize(*await _measure(base_url, **kwargs))
+
+
+async def _measure(
     base_url: str,
     *,
     num_prompts: int,
@@ -168,11 +177,10 @@ async def run_benchmark(
     timeout_s: float = 600.0,
     warmup: int = 1,
     ready=None,
-) -> dict:
-    """Send `warmup` uncounted requests one by one (first-request costs: kernel
-    compilation, connections), then the measured ones; return the summary (latencies in
-    ms) plus per-request results under "requests". `ready`: awaited between the two
-    (run_clients' start line)."""
+) -> tuple:
+    """(results, duration, router metrics before and after, the run's parameters).
+    `ready`: awaited between the warm-up and the measured requests (run_clients' start
+    line)."""
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("num_prompts, input_len and output_len must be >= 1")
     if max_concurrency is not None and max_concurrency < 1:
@@ -242,7 +250,7 @@ async def run_benchmark(
         max_concurrency=max_concurrency,
         request_rate=request_rate,
     )
-    return summarize(results, duration, metrics_before, metrics_after, meta)
+    return results, duration, metrics_before, metrics_after, meta
 
 
 def summarize(results, duration, metrics_before, metrics_after, meta: dict) -> dict:
@@ -268,7 +276,6 @@ def summarize(results, duration, metrics_before, metrics_after, meta: dict) -> d
         "cached_prompt_tokens": sum(r.cached_tokens for r in done),
         "server_ms": _server_means(metrics_before, metrics_after),
         "requests": [asdict(r) | {"itl": len(r.itl)} for r in results],
-        "_results": results,  # with every ITL; popped before the JSON is written
     }
 
 
@@ -285,8 +292,8 @@ def _client_process(base_url: str, kwargs: dict, barrier, out) -> None:
         await asyncio.to_thread(start_line)
 
     try:
-        s = asyncio.run(run_benchmark(base_url, ready=ready, **kwargs))
-        out.put((s["model"], [asdict(r) for r in s["_results"]], time.time()))
+        results, _, _, _, meta = asyncio.run(_measure(base_url, ready=ready, **kwargs))
+        out.put((meta, [asdict(r) for r in results], time.time()))
     except BaseException as e:  # the parent reports it rather than waiting forever
         barrier.abort()
         out.put(e)
@@ -333,17 +340,12 @@ def run_clients(base_url: str, *, clients: int, num_prompts: int, max_concurrenc
         raise RuntimeError(f"a client failed: {errors[0]!r}")
     results = [RequestResult(**r) for _, rs, _ in parts for r in rs]
     duration = max(end for _, _, end in parts) - start
-    meta = dict(
-        model=parts[0][0],
-        num_prompts=num_prompts,
-        input_len=kw["input_len"],
-        output_len=kw["output_len"],
-        shared_prefix_len=kw.get("shared_prefix_len", 0),
-        max_concurrency=max_concurrency,
-        request_rate=rate,
+    # a client's parameters, with the whole run's counts
+    meta = parts[0][0] | dict(
+        num_prompts=num_prompts, max_concurrency=max_concurrency, request_rate=rate, clients=clients
     )
     after = asyncio.run(_histograms(base_url))
-    return summarize(results, duration, session_metrics, after, meta | {"clients": clients})
+    return summarize(results, duration, session_metrics, after, meta)
 
 
 async def _histograms(base_url: str) -> dict | None:
@@ -429,7 +431,6 @@ def main() -> None:
         summary = run_clients(args.base_url, clients=args.clients, **kwargs)
     else:
         summary = asyncio.run(run_benchmark(args.base_url, **kwargs))
-    summary.pop("_results")
     print(format_summary(summary), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -29,7 +29,7 @@ _FINISHED = object()  # a request's last response went to its sink: its iteratio
 # this router reads TokenDeltas (services/decode/mux.py's DELTAS_METADATA)
 _METADATA = (("x-pdserve-mux", "1"), ("x-pdserve-token-deltas", "1"))
 # a worker that reads batched requests says so in its initial metadata (BATCH_METADATA)
-_BATCH_KEY, _BATCH_VALUE = "x-pdserve-batched-requests", "1"
+_BATCH_METADATA = ("x-pdserve-batched-requests", "1")
 # a batch stops growing past this many serialized bytes (the worker takes 64 MB messages)
 _MAX_BATCH_BYTES = 4 << 20
 
@@ -134,7 +134,7 @@ class _Session:
             # an older worker sends it with its first response, not at once: until
             # then, requests go one per message
             initial = await self.call.initial_metadata()
-            self._writer.batching = (_BATCH_KEY, _BATCH_VALUE) in tuple(initial or ())
+            self._writer.batching = _BATCH_METADATA in tuple(initial or ())
             async for message in self.call:
                 if message.deltas.request_ids:
                     self._read_deltas(message.deltas)

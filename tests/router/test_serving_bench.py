@@ -1,0 +1,70 @@
+"""benchmarks/serving_bench.py against a router in front of real prefill and decode
+workers: its counts, latencies and the router's own histograms, one client process or
+several pooled."""
+
+from __future__ import annotations
+
+import asyncio
+
+# pair and router: test_integration's fixtures (a worker pair, a router in front)
+from tests.router.test_integration import SERVED, assert_all_blocks_free, pair, router  # noqa: F401
+
+
+def test_serving_benchmark_against_real_workers(router, pair):  # noqa: F811
+    """benchmarks/serving_bench.py: every streamed request is timed and counted, a
+    rejected one is reported as failed (not raised), and the workers end with every
+    KV block free."""
+    from benchmarks.serving_bench import run_benchmark, run_clients
+
+    s = asyncio.run(
+        run_benchmark(
+            router.url,
+            num_prompts=6,
+            input_len=40,
+            output_len=8,
+            max_concurrency=3,
+            request_rate=50.0,
+            seed=1,
+        )
+    )
+    assert s["model"] == SERVED
+    assert (s["completed"], s["failed"]) == (6, 0), s["first_error"]
+    for r in s["requests"]:
+        assert (r["prompt_tokens"], r["output_tokens"]) == (40, 8)
+        assert 0 < r["ttft"] < r["e2e"] and r["itl"] >= 1
+    assert 0 < s["ttft_ms"]["median"] <= s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+    assert s["output_throughput"] > 0 and s["tpot_ms"]["mean"] > 0
+    # the router's own histograms over exactly these requests split the TTFT
+    server = s["server_ms"]
+    assert server["prefill_time_ms"] > 0 and server["kv_transfer_time_ms"] > 0
+    assert server["time_to_first_token_ms"] > server["prefill_time_ms"]
+    assert s["cached_prompt_tokens"] == 0  # every prompt its own
+
+    # a shared 32-token prefix (two blocks) is cached after the warm-up request
+    shared = asyncio.run(
+        run_benchmark(
+            router.url, num_prompts=4, input_len=40, output_len=4, shared_prefix_len=32, seed=2
+        )
+    )
+    assert (shared["completed"], shared["failed"]) == (4, 0), shared["first_error"]
+    assert shared["cached_prompt_tokens"] == 4 * 32
+
+    too_long = router.state.registry.max_model_len() + 1
+    bad = asyncio.run(
+        run_benchmark(router.url, num_prompts=1, input_len=too_long, output_len=4, warmup=0)
+    )
+    assert (bad["completed"], bad["failed"]) == (0, 1)
+    assert bad["first_error"].startswith("HTTP 400")
+
+    # two client processes that start together, their requests pooled
+    pooled = run_clients(
+        router.url, clients=2, num_prompts=5, input_len=40, output_len=8, max_concurrency=4
+    )
+    assert (pooled["completed"], pooled["failed"], pooled["clients"]) == (5, 0, 2)
+    assert all(r["output_tokens"] == 8 and r["itl"] >= 1 for r in pooled["requests"])
+    # every client's inter-token gaps in one distribution
+    assert pooled["itl_ms"]["n"] == sum(r["itl"] for r in pooled["requests"])
+    assert 0 < pooled["itl_ms"]["median"] <= pooled["itl_ms"]["p99"] <= pooled["e2e_ms"]["p99"]
+    assert pooled["server_ms"]["prefill_time_ms"] > 0  # the router's, over both clients
+    assert pooled["output_throughput"] > 0
+    assert_all_blocks_free(pair)
