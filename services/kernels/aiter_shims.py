@@ -57,8 +57,20 @@ def installed_version() -> str | None:
 
 
 def check_version(version: str | None = None) -> bool:
-    """Warn (once per call site) when the installed amd-aiter is not the checked one."""
+    """Warn (once per call site) when the installed amd-aiter is not the checked one.
+    Raises AiterUnavailable when it is not installed (nor already imported)."""
     version = installed_version() if version is None else version
+    if version is None:
+        if "aiter" not in sys.modules:
+            raise AiterUnavailable(f"{AITER_DIST} is not installed (pip install {AITER_DIST})")
+        warnings.warn(
+            f"aiter is imported but {AITER_DIST}'s version is unknown (no package metadata); "
+            f"pdserve's aiter shims were checked with {AITER_CHECKED_VERSION} and patch its "
+            "internals: verify the aiter backend (tests/kernels) before trusting it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
     if version != AITER_CHECKED_VERSION:
         warnings.warn(
             f"{AITER_DIST} {version} is installed; pdserve's aiter shims were checked with "

@@ -5,6 +5,7 @@ amd-aiter is installed (CPU under Triton's interpreter, or a GPU)."""
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 
 import pytest
@@ -56,6 +57,18 @@ def test_version_pin_warns_on_mismatch():
         assert aiter_shims.check_version(aiter_shims.AITER_CHECKED_VERSION)
     with pytest.warns(RuntimeWarning, match="checked with 0.1.7.post2.dev18"):
         assert not aiter_shims.check_version("0.1.6")
+
+
+def test_version_check_names_a_missing_aiter_instead_of_version_none(monkeypatch):
+    # not installed: the backend refuses with the install hint, not "amd-aiter None"
+    monkeypatch.setattr(aiter_shims, "installed_version", lambda: None)
+    monkeypatch.delitem(sys.modules, "aiter", raising=False)
+    with pytest.raises(aiter_shims.AiterUnavailable, match="is not installed"):
+        aiter_shims.check_version()
+    # imported without package metadata (a source tree on the path): the version is unknown
+    monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))
+    with pytest.warns(RuntimeWarning, match="version is unknown"):
+        assert not aiter_shims.check_version()
 
 
 def test_get_backend_aiter_unavailable_is_a_clear_value_error(monkeypatch):
