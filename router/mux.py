@@ -30,7 +30,8 @@ _FINISHED = object()  # a request's last response went to its sink: its iteratio
 _METADATA = (("x-pdserve-mux", "1"), ("x-pdserve-token-deltas", "1"))
 # a worker that reads batched requests says so in its initial metadata (BATCH_METADATA)
 _BATCH_METADATA = ("x-pdserve-batched-requests", "1")
-# a batch stops growing past this many serialized bytes (the worker takes 64 MB messages)
+# a batch holds at most this many serialized bytes, unless its first message alone
+# is larger (the worker takes 64 MB messages)
 _MAX_BATCH_BYTES = 4 << 20
 
 
@@ -90,27 +91,37 @@ class _Outgoing:
         self.batching = False  # set once the worker's initial metadata says it may
         self.batches = 0  # messages that carried a batch
         self._closing = False
+        self._held = None  # a message that did not fit the last batch: the next one's first
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        if self._closing:
-            raise StopAsyncIteration
-        message = await self._queue.get()
-        if message is _CLOSE:
-            raise StopAsyncIteration
+        message, self._held = self._held, None
+        if message is None:
+            if self._closing:
+                raise StopAsyncIteration
+            message = await self._queue.get()
+            if message is _CLOSE:
+                raise StopAsyncIteration
         queue = self._queue
         if not self.batching or queue.empty():
             return message
         batch, size = [message], message.ByteSize()
-        while not queue.empty() and size < _MAX_BATCH_BYTES:
+        while not queue.empty():
             more = queue.get_nowait()
             if more is _CLOSE:
                 self._closing = True  # after this batch
                 break
+            more_size = more.ByteSize()
+            if size + more_size > _MAX_BATCH_BYTES:
+                # the next message starts the next batch: a batch is never larger than
+                # the cap or its first message, whichever is more (the worker's limit
+                # holds for every message a single request would have sent)
+                self._held = more
+                break
             batch.append(more)
-            size += more.ByteSize()
+            size += more_size
         if len(batch) == 1:
             return message
         self.batches += 1

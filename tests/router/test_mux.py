@@ -253,3 +253,37 @@ def test_columns_that_do_not_add_up_fail_the_requests_with_internal():
     assert error.code() == grpc.StatusCode.INTERNAL
     assert "malformed TokenDeltas" in error.details()
     assert "summing to 2 for 1 tokens" in error.details()
+
+
+def test_a_batch_stays_under_its_byte_cap_unless_one_message_is_larger(monkeypatch):
+    # what queues up while a write is in flight goes as batches of at most the cap; a
+    # message that would push a batch past it starts the next one, so a batch is never
+    # larger than a single request's own message would have been (the worker's limit)
+    from router import mux
+
+    monkeypatch.setattr(mux, "_MAX_BATCH_BYTES", 3000)
+
+    def start(rid, text_bytes):
+        gen = decode_pb2.GenerateRequest(request_id=rid, text="x" * text_bytes)
+        return decode_pb2.GenerateStreamRequest(start=gen)
+
+    async def batches_of(messages):
+        queue = asyncio.Queue()
+        for m in messages:
+            queue.put_nowait(m)
+        queue.put_nowait(mux._CLOSE)
+        outgoing = mux._Outgoing(queue)
+        outgoing.batching = True
+        sent = [m async for m in outgoing]
+        ids = [
+            [s.start.request_id for s in m.batch] if m.batch else [m.start.request_id] for m in sent
+        ]
+        return ids, [m.ByteSize() for m in sent]
+
+    sizes = {"a": 1000, "b": 1000, "c": 1500, "d": 5000, "e": 10, "f": 10}
+    ids, byte_sizes = asyncio.run(batches_of([start(r, n) for r, n in sizes.items()]))
+    # a + b fit; c would pass the cap; c alone (d would); d alone (over the cap by
+    # itself); e + f together after it
+    assert ids == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert all(n <= 3000 + 64 for n in byte_sizes[:2])  # batch framing: a few bytes
+    assert byte_sizes[2] > 5000  # the large message went, alone
