@@ -4,7 +4,8 @@ within a second while the others go on, a deadline ends only its request, and a 
 stream fails its requests with a status dispatch.py retries while the next request
 opens a new stream; after `stream_to` the responses reach the sink in order, the last
 one ends the iteration, and an error still reaches the iteration after what arrived
-before it."""
+before it. Without a worker: queued starts go in batches that keep under their byte
+cap."""
 
 from __future__ import annotations
 
