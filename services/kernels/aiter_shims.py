@@ -49,6 +49,10 @@ class AiterUnavailable(ImportError):
     """amd-aiter is missing or its Triton kernels cannot be loaded here."""
 
 
+def _not_installed() -> AiterUnavailable:
+    return AiterUnavailable(f"{AITER_DIST} is not installed (pip install {AITER_DIST})")
+
+
 def installed_version() -> str | None:
     try:
         return importlib.metadata.version(AITER_DIST)
@@ -62,7 +66,7 @@ def check_version(version: str | None = None) -> bool:
     version = installed_version() if version is None else version
     if version is None:
         if "aiter" not in sys.modules:
-            raise AiterUnavailable(f"{AITER_DIST} is not installed (pip install {AITER_DIST})")
+            raise _not_installed()
         warnings.warn(
             f"aiter is imported but {AITER_DIST}'s version is unknown (no package metadata); "
             f"pdserve's aiter shims were checked with {AITER_CHECKED_VERSION} and patch its "
@@ -101,7 +105,7 @@ def _package_dir() -> str:
     else:
         paths = list(spec.submodule_search_locations or [])
     if not paths:
-        raise AiterUnavailable(f"{AITER_DIST} is not installed (pip install {AITER_DIST})")
+        raise _not_installed()
     return paths[0]
 
 
@@ -211,7 +215,7 @@ def load_triton_op(op: str):
     ROCm: plain import after `import aiter`. Elsewhere: with the shims above.
     Raises AiterUnavailable when that cannot work here."""
     if installed_version() is None and "aiter" not in sys.modules:
-        raise AiterUnavailable(f"{AITER_DIST} is not installed (pip install {AITER_DIST})")
+        raise _not_installed()
     try:
         import triton  # noqa: F401
     except ImportError as exc:
