@@ -113,6 +113,11 @@ def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
 _SERVER_HISTOGRAMS = ("time_to_first_token", "queue_time", "prefill_time", "kv_transfer_time")
 
 
+def _server_root(base_url: str) -> str:
+    """The server's root URL, whether given with or without the OpenAI /v1 suffix."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
 async def server_histograms(session: aiohttp.ClientSession, base_url: str) -> dict | None:
     """(sum, count) of the router's histograms, or None when the server has no such
     /metrics (not pdserve's router)."""
@@ -187,7 +192,7 @@ async def _measure(
         raise ValueError("max_concurrency must be >= 1")
     if not request_rate > 0:
         raise ValueError("request_rate must be > 0 (inf: all at once)")
-    base_url = base_url.rstrip("/").removesuffix("/v1")
+    base_url = _server_root(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if warmup < 0:
         raise ValueError("warmup must be >= 0")
@@ -350,7 +355,7 @@ def run_clients(base_url: str, *, clients: int, num_prompts: int, max_concurrenc
 
 async def _histograms(base_url: str) -> dict | None:
     async with aiohttp.ClientSession() as session:
-        return await server_histograms(session, base_url.rstrip("/").removesuffix("/v1"))
+        return await server_histograms(session, _server_root(base_url))
 
 
 def format_summary(s: dict) -> str:
