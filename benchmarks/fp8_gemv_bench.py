@@ -15,6 +15,8 @@ import itertools
 
 import torch
 
+from services.kernels.timing import copies_past_l2, cycled_graph_us
+
 SHAPES = {  # Llama-3 projections: name -> (N, K)
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {
@@ -24,23 +26,11 @@ SHAPES = {  # Llama-3 projections: name -> (N, K)
         "down": (8192, 28672),
     },
 }
-WORKING_SET = 512 << 20  # bytes of weight copies cycled through (L2 is 50-60 MB)
 
 
 class _Layer:
     def __init__(self, weight, scale, fmt):
         self.weight, self.weight_scale, self.fp8_format, self.bias = weight, scale, fmt, None
-
-
-def _copies(nbytes: int) -> int:
-    return max(2, -(-WORKING_SET // nbytes))
-
-
-def _graph_us(calls) -> float:
-    from services.kernels.timing import time_graph_us
-
-    it = itertools.cycle(calls)
-    return time_graph_us(lambda: next(it)(), calls=len(calls), replays=10)
 
 
 def _gemm(fmt, layer, rows, config=None):
@@ -77,19 +67,21 @@ def _bench_format(label, n, k, fmt, args) -> None:
 
     dev = "cuda"
     layers = []
-    for _ in range(_copies(n * k)):
+    for _ in range(copies_past_l2(n * k)):
         w = (torch.rand(n, k, device=dev) * 2 - 1).mul(400).to(torch.float8_e4m3fn)
         s = torch.rand(fmt.scale_shape(n, k), device=dev) * 1e-4 + 1e-4
         layers.append(_Layer(w, s, fmt))
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-    us = _graph_us([functools.partial(_gemm, fmt, lay, x) for lay in layers])
+    us = cycled_graph_us([functools.partial(_gemm, fmt, lay, x) for lay in layers])
     print(f"{label} fp8 gemm m=1: {us:7.1f} us {n * k / us / 1e6:5.2f} TB/s", flush=True)
     for m in args.gemm_rows:
         rows = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        timed = [(_graph_us([functools.partial(_gemm, fmt, lay, rows) for lay in layers]), None)]
+        timed = [
+            (cycled_graph_us([functools.partial(_gemm, fmt, lay, rows) for lay in layers]), None)
+        ]
         for cfg in _gemm_configs(m):
             calls = [functools.partial(_gemm, fmt, lay, rows, cfg) for lay in layers]
-            timed.append((_graph_us(calls), cfg))
+            timed.append((cycled_graph_us(calls), cfg))
         best = min(timed, key=lambda r: r[0])
         print(
             f"{label} fp8 gemm m={m}: default {timed[0][0]:7.1f} us, best {best[0]:7.1f} us "
@@ -104,7 +96,7 @@ def _bench_format(label, n, k, fmt, args) -> None:
     results = []
     for cfg in [default] + [c for c in grid if c != default]:
         calls = [functools.partial(_gemv, fmt, cfg, lay, x) for lay in layers]
-        results.append((_graph_us(calls), cfg))
+        results.append((cycled_graph_us(calls), cfg))
     for us, cfg in sorted(results, key=lambda r: r[0])[:4] + [results[0]]:
         tag = " (default)" if cfg == default else ""
         print(
@@ -134,9 +126,9 @@ def main() -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             wb = [
                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                for _ in range(_copies(2 * n * k))
+                for _ in range(copies_past_l2(2 * n * k))
             ]
-            us = _graph_us([functools.partial(gemv, x, w) for w in wb])
+            us = cycled_graph_us([functools.partial(gemv, x, w) for w in wb])
             print(
                 f"{model} {proj} {n}x{k} bf16 gemv: {us:7.1f} us {2 * n * k / us / 1e6:5.2f} TB/s"
             )

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-WORKING_SET = 512 << 20  # bytes of weight copies cycled through (L2 is 50-60 MB)
+from services.kernels.timing import copies_past_l2, cycled_graph_us
 
 
 def projections(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -34,13 +34,6 @@ def projections(cfg: dict) -> dict[str, tuple[int, int]]:
         out["down"] = (h, cfg["intermediate_size"])
     out["lm_head"] = (cfg["vocab_size"], h)
     return out
-
-
-def _graph_us(calls) -> float:
-    from services.kernels.timing import time_graph_us
-
-    it = itertools.cycle(calls)
-    return time_graph_us(lambda: next(it)(), calls=len(calls), replays=10)
 
 
 def _norm_then_gemv(x, residual, norm_weight, w, config):
@@ -73,7 +66,7 @@ def main() -> None:
     for name, (n, k) in projections(cfg).items():
         if args.only and name not in args.only:
             continue
-        copies = max(2, -(-WORKING_SET // (2 * n * k)))
+        copies = copies_past_l2(2 * n * k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +80,7 @@ def main() -> None:
             results = []
             for c in [default] + sorted(set(grid) - {default}, key=str):
                 calls = [functools.partial(gemv.gemv, x, w, config=c) for w in ws]
-                results.append((_graph_us(calls), c))
+                results.append((cycled_graph_us(calls), c))
             for us, c in sorted(results, key=lambda r: r[0])[:4] + [results[0]]:
                 tag = " (default)" if c == default else ""
                 print(
@@ -101,7 +94,7 @@ def main() -> None:
             if args.with_norm:  # what a residual-add + RMSNorm launch before it costs
                 r, nw = torch.randn_like(x), torch.rand(k, device="cuda", dtype=x.dtype)
                 normed = [functools.partial(_norm_then_gemv, x, r, nw, w, default) for w in ws]
-                us = _graph_us(normed)
+                us = cycled_graph_us(normed)
                 print(f"{name} m={m} norm + gemv (default): {us:7.1f} us", flush=True)
         del ws
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.kernels.shape_classes import OP_CLASSES, KernelShapes
-from services.kernels.timing import alternating_us
+from services.kernels.timing import PAST_L2_BYTES, alternating_us, copies_past_l2
 from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner import TuningSizes, tune
 from services.kernels.tuner_cases import run_case
@@ -127,3 +127,9 @@ def _linear_calls_per_case(cls: str) -> int:
     cpu = torch.device("cpu")
     run_case("linear", cls, SHAPES, TuningSizes.tiny(), cpu, SHAPES.torch_dtype, counter)
     return counter.calls
+
+
+def test_weight_copies_cycle_past_the_l2():
+    qkv = 2 * 6144 * 4096  # Llama-3-8B's bf16 qkv weight, 50 MB: about one L2
+    assert copies_past_l2(qkv) * qkv >= PAST_L2_BYTES > (copies_past_l2(qkv) - 1) * qkv
+    assert copies_past_l2(PAST_L2_BYTES * 4) == 2  # two copies at least, to alternate
