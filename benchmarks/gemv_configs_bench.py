@@ -5,7 +5,7 @@ HBM's. Prints the default config's time and the best few, in us and TB/s of weig
 
     python benchmarks/gemv_configs_bench.py --config benchmarks/configs/qwen3-30b-a3b.json
         [--rows 1] [--block-n 2 4 8 16] [--block-k 256 512 1024 2048] [--warps 2 4 8]
-        [--split-k 1 2 4]
+        [--stages 1 3] [--split-k 1 2 4]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 3], help="W tiles in flight")
     ap.add_argument("--split-k", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--with-norm", action="store_true", help="also time norm + GEMV")
     args = ap.parse_args()
@@ -72,9 +73,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             default = gemv.default_config(n, k, device_sms(x), m)
             grid = [
-                gemv.GemvConfig(bn, min(bk, max(16, 1 << (k - 1).bit_length())), w, split_k=s)
-                for bn, bk, w, s in itertools.product(
-                    args.block_n, args.block_k, args.warps, args.split_k
+                gemv.GemvConfig(bn, min(bk, max(16, 1 << (k - 1).bit_length())), w, st, s)
+                for bn, bk, w, st, s in itertools.product(
+                    args.block_n, args.block_k, args.warps, args.stages, args.split_k
                 )
             ]
             results = []

@@ -265,6 +265,19 @@ def test_gemv_path_matches_reference(t, e, top_k, renormalize, device):
     assert_close_rel(out, _reference(x, logits, w13, w2, top_k, renormalize), torch.float32)
 
 
+def test_gemv_path_with_pipelined_k_loops(device, monkeypatch):
+    """Both GEMV kernels' K loops several tiles deep (gate/up by its config's
+    num_stages, down by DOWN_STAGES): the same sums."""
+    from services.kernels.triton import moe_gemv
+
+    monkeypatch.setattr(moe_gemv, "DOWN_STAGES", 3)
+    x, logits, w13, w2 = _moe_inputs(3, 8, 72, 200, device=device, seed=11)  # 2 down tiles
+    out = fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "num_stages": 3})
+    assert_close_rel(out, _reference(x, logits, w13, w2, 2, True), torch.float32)
+    with pytest.raises(ValueError, match="num_stages"):
+        fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "num_stages": 0})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_path_dtypes_and_strides(dtype, device):
     x, logits, w13, w2 = _moe_inputs(5, 8, dtype=dtype, device=device, seed=4)

@@ -38,6 +38,10 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
 
+# W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
+# a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
+# compiles to cp.async copies without spills)
+DEFAULT_STAGES = 1
 _GRANULARITY_CODE = {"block": 0, "channel": 1, "tensor": 2}
 
 
@@ -49,6 +53,7 @@ class Fp8GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 1  # W tiles in flight per program (cp.async into shared memory)
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -57,6 +62,8 @@ class Fp8GemvConfig:
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
 
 
 def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:
@@ -78,7 +85,7 @@ def default_config(n: int, k: int, fmt: Fp8Format, num_sms: int) -> Fp8GemvConfi
     block_n, block_k = (16, 512) if n >= 16384 else (8, 1024)
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
-    return _fit(Fp8GemvConfig(block_n, block_k, 4), k, fmt)
+    return _fit(Fp8GemvConfig(block_n, block_k, 4, DEFAULT_STAGES), k, fmt)
 
 
 def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
@@ -89,7 +96,7 @@ def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
     if fmt.granularity == "block":
         block_k = max(block_k, fmt.block_k)
         block_n = min(block_n, fmt.block_n)
-    return Fp8GemvConfig(block_n, block_k, cfg.num_warps)
+    return Fp8GemvConfig(block_n, block_k, cfg.num_warps, cfg.num_stages)
 
 
 @triton.jit
@@ -155,6 +162,7 @@ def _fp8_gemv_kernel(
     ROUND_IN_FP32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     fp8_ty = w_ptr.dtype.element_ty
@@ -188,7 +196,7 @@ def _fp8_gemv_kernel(
         )  # fmt: skip
         w_ptrs += BLOCK_K
         k_loop = BLOCK_K
-    for k in range(k_loop, K, BLOCK_K):
+    for k in tl.range(k_loop, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
         part = _fp8_tile(
             part, w, x_ptr, ws_row, stride_wsk, x_scale, k, offs_k, K, GRANULARITY, GROUP,
@@ -265,6 +273,7 @@ def fp8_gemv(
         ROUND_IN_FP32=interpreted,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,

@@ -37,13 +37,17 @@ from services.kernels.triton._launch import (
 
 GEMV_MAX_ROWS = 8
 GEMV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# One row's W tiles in flight by default: 1 (plain loads) until a deeper K loop is
+# measured on a device (benchmarks/gemv_configs_bench.py --stages)
+ROW_STAGES = 1
 _DOT_MIN = 16  # tl.dot needs >= 16 along every dim: rows pad to 16, blocks round up
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch settings. block_n, block_k: powers of two; for 2..8 rows (the tensor-core
-    path) block_n is rounded up to 16."""
+    path) block_n is rounded up to 16. num_stages: W tiles in flight per program (one
+    row: the K loop's cp.async depth, 1 = plain loads)."""
 
     block_n: int
     block_k: int
@@ -70,11 +74,11 @@ def default_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:
     deeper K tiles; wide ones take smaller tiles and more programs to balance the
     tail."""
     block_k_max = max(16, next_pow2(k))
-    if m == 1:  # FMA path: one tile load in flight per program (not pipelined)
+    if m == 1:  # FMA path: ROW_STAGES W tiles in flight per program
         if n >= 32 * num_sms:
-            cfg = GemvConfig(block_n=4, block_k=min(512, block_k_max), num_warps=2)
+            cfg = GemvConfig(4, min(512, block_k_max), num_warps=2, num_stages=ROW_STAGES)
         else:
-            cfg = GemvConfig(block_n=8, block_k=min(1024, block_k_max), num_warps=4)
+            cfg = GemvConfig(8, min(1024, block_k_max), num_warps=4, num_stages=ROW_STAGES)
         block_n = cfg.block_n
         while block_n > 1 and triton.cdiv(n, block_n) < 2 * num_sms:
             block_n //= 2
@@ -130,6 +134,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
+    NUM_STAGES: tl.constexpr,  # one row: W tiles in flight (cp.async into shared memory)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -159,7 +164,7 @@ def _gemv_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
             k_loop += BLOCK_K
-        for k in range(k_loop, k_end, BLOCK_K):
+        for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
             w, x = _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K)
             part += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
@@ -289,6 +294,7 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
         SPLIT_K=split_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         UPCAST_DOT=upcast,
+        NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -40,7 +40,8 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.moe_align import _route_chunk
 
-GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")  # and optionally num_stages
+DOWN_STAGES = 1  # the down kernel's K tiles in flight (1: plain loads; see gemv.py)
 # Beyond this many pairs experts are shared by several tokens, and the tiled kernel
 # reads each expert once where GEMVs would read it per pair.
 GEMV_MAX_PAIRS = 64
@@ -67,6 +68,9 @@ def check_gemv_config(cfg: dict) -> dict:
             raise ValueError(f"{key} must be a power of two >= {low}, got {v!r}")
     if cfg["num_warps"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {cfg['num_warps']!r}")
+    stages = cfg.get("num_stages", 1)
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {stages!r}")
     return cfg
 
 
@@ -129,7 +133,8 @@ def _route_rank_kernel(
 def _gated_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, H, INTER,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)  # the expert comes from the routing kernel: nothing to load before
     pair = tl.program_id(0)
@@ -143,7 +148,7 @@ def _gated_kernel(
     x_row = x_ptr + token * stride_xt
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
         x = tl.load(x_row + offs_k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
@@ -164,7 +169,7 @@ def _down_sum_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, INTER,
     stride_we, stride_wn, stride_wk, stride_ot, stride_oh,
     TOP_K: tl.constexpr, K_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -178,7 +183,7 @@ def _down_sum_kernel(
     w_ptrs = w_ptr + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wn
     a_rows = act_ptr + pairs[:, None] * INTER
     acc = tl.zeros([K_P, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
+    for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < INTER
         a = tl.load(a_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
@@ -221,8 +226,8 @@ def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, con
     _gated_kernel[(m, triton.cdiv(inter, block_n))](
         x, w13, act, ids, h, inter, x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, USE_PDL=pdl,
-        launch_pdl=pdl,
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg.get("num_stages", 1),
+        num_warps=warps, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     # one output row per program, whatever the gate/up tile (H200: best or within 2%
@@ -234,7 +239,8 @@ def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, con
     _down_sum_kernel[(t, triton.cdiv(h, down_n))](
         act, w2, out, ids, weights, h, inter, w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1), TOP_K=top_k, K_P=next_pow2(top_k), BLOCK_N=down_n,
-        BLOCK_K=min(down_k, next_pow2(max(inter, 16))), USE_PDL=pdl, num_warps=4,
+        BLOCK_K=min(down_k, next_pow2(max(inter, 16))), NUM_STAGES=DOWN_STAGES, USE_PDL=pdl,
+        num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip
     return out
