@@ -3,7 +3,7 @@ and straight to the decode worker, over its unary-stream Generate and over the s
 GenerateStream the router itself uses, with one prefill and one decode worker on this
 machine. Reports p50 / p99 time to first token and per relayed token.
 
-    .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512
+    .venv/bin/python benchmarks/router_overhead.py --concurrency 1 64 512 [--clients 8]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -40,9 +41,12 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
 
 
-async def via_router(session, url, i, max_tokens):
+SERVED_NAME = "smollm2-135m"  # the router's --served-model-name here
+
+
+async def via_router(session, url, i, max_tokens, model=SERVED_NAME):
     body = {
-        "model": "smollm2-135m",
+        "model": model,
         "prompt": f"Request {i}: count from one to ten:",
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -110,10 +114,14 @@ def summarize(results):
     }
 
 
-async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
+async def run_raw(
+    url, decode_addr, prefill_addr, n, max_tokens, rounds=1, wave_start=None, model=SERVED_NAME
+):
     """`rounds` waves of n concurrent requests, alternating router and direct gRPC so
-    that drift on a shared machine hits both paths alike."""
-    routed, direct, muxed = [], [], []
+    that drift on a shared machine hits both paths alike; each path's (start, token
+    stamps) per request. `wave_start()`, if given, is called before every wave (the
+    clients' barrier)."""
+    paths = {"router": [], "direct gRPC": [], "direct GenerateStream": []}
     async with (
         aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
@@ -122,22 +130,59 @@ async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
     ):
         stub = decode_pb2_grpc.DecodeServiceStub(ch)
         mux = DecodeMux(stub)
+        waves = {
+            "router": lambda i: via_router(session, url, i, max_tokens, model),
+            "direct gRPC": lambda i: via_grpc(stub, prefill_addr, i, max_tokens),
+            "direct GenerateStream": lambda i: via_mux(mux, prefill_addr, i, max_tokens),
+        }
         for _ in range(rounds):
-            routed += await asyncio.gather(
-                *(via_router(session, url, i, max_tokens) for i in range(n))
-            )
-            direct += await asyncio.gather(
-                *(via_grpc(stub, prefill_addr, i, max_tokens) for i in range(n))
-            )
-            muxed += await asyncio.gather(
-                *(via_mux(mux, prefill_addr, i, max_tokens) for i in range(n))
-            )
+            for name, one in waves.items():
+                if wave_start is not None:
+                    await asyncio.to_thread(wave_start)
+                paths[name] += await asyncio.gather(*(one(i) for i in range(n)))
         await mux.close()
-    return {
-        "router": summarize(routed),
-        "direct gRPC": summarize(direct),
-        "direct GenerateStream": summarize(muxed),
-    }
+    return paths
+
+
+async def run(url, decode_addr, prefill_addr, n, max_tokens, rounds=1):
+    paths = await run_raw(url, decode_addr, prefill_addr, n, max_tokens, rounds)
+    return {name: summarize(results) for name, results in paths.items()}
+
+
+def _client_process(args: tuple, model: str, barrier, out) -> None:
+    try:
+        wave_start = lambda: barrier.wait(600)  # noqa: E731
+        out.put(asyncio.run(run_raw(*args, wave_start=wave_start, model=model)))
+    except BaseException as e:  # the parent reports it
+        barrier.abort()
+        out.put(RuntimeError(repr(e)))
+
+
+def run_clients(url, decode_addr, prefill_addr, n, max_tokens, rounds, clients, model=SERVED_NAME):
+    """run_raw()'s waves from `clients` processes at once, each with its share of the
+    n streams, started together per wave, pooled per path: one Python client's own
+    serial work per request (HTTP or gRPC) no longer queues a wave's requests."""
+    clients = min(clients, n)
+    shares = [n // clients + (i < n % clients) for i in range(clients)]
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(clients), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_client_process,
+            args=((url, decode_addr, prefill_addr, k, max_tokens, rounds), model, barrier, out),
+        )
+        for k in shares
+    ]
+    for p in procs:
+        p.start()
+    try:
+        parts = [out.get(timeout=1200) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+    if errors := [e for e in parts if isinstance(e, BaseException)]:
+        raise RuntimeError(f"a client failed: {errors[0]}")
+    return {name: [r for part in parts for r in part[name]] for name in parts[0]}
 
 
 def main() -> None:
@@ -151,6 +196,13 @@ def main() -> None:
         type=int,
         default=0,
         help="waves per concurrency (default: enough for ~64 requests, at least 2)",
+    )
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="client processes sharing each wave's streams (pooled), so the client's own "
+        "per-request work does not queue the wave",
     )
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument(
@@ -185,7 +237,7 @@ def main() -> None:
             "--decode",
             decode.address,
             "--served-model-name",
-            "smollm2-135m",
+            SERVED_NAME,
             "--max-concurrent-requests",
             "0",
             "--api-server-count",
@@ -209,9 +261,15 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for n in args.concurrency:
             rounds = args.rounds or max(2, 64 // n)
-            paths = asyncio.run(
-                run(url, decode.address, prefill.address, n, args.max_tokens, rounds)
-            )
+            if args.clients > 1:
+                raw = run_clients(
+                    url, decode.address, prefill.address, n, args.max_tokens, rounds, args.clients
+                )
+                paths = {name: summarize(results) for name, results in raw.items()}
+            else:
+                paths = asyncio.run(
+                    run(url, decode.address, prefill.address, n, args.max_tokens, rounds)
+                )
             for name, r in paths.items():
                 print(
                     f"| {n} | {name} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms "

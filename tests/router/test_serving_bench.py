@@ -68,3 +68,23 @@ def test_serving_benchmark_against_real_workers(router, pair):  # noqa: F811
     assert pooled["server_ms"]["prefill_time_ms"] > 0  # the router's, over both clients
     assert pooled["output_throughput"] > 0
     assert_all_blocks_free(pair)
+
+
+def test_router_overhead_clients_pool_every_path(router, pair):  # noqa: F811
+    """benchmarks/router_overhead.py --clients: two client processes share each wave's
+    streams on every path (the router, direct Generate, the shared GenerateStream);
+    every request of every wave comes back with all its tokens, pooled per path."""
+    from benchmarks.router_overhead import run_clients, summarize
+
+    prefill, decode = pair
+    paths = run_clients(
+        router.url, decode.address, prefill.address, n=3, max_tokens=4, rounds=2, clients=2,
+        model=SERVED,
+    )  # fmt: skip
+    assert set(paths) == {"router", "direct gRPC", "direct GenerateStream"}
+    for name, results in paths.items():
+        assert len(results) == 2 * 3, name  # two waves of three streams, from both clients
+        assert all(len(stamps) == 4 and stamps[0] > start for start, stamps in results), name
+        s = summarize(results)
+        assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and s["itl_p50_ms"] > 0, name
+    assert_all_blocks_free(pair)
