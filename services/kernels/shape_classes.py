@@ -61,7 +61,12 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
 DEFAULT_CANDIDATES = ("torch", "triton", "aiter")
 # (op, candidate) pairs whose launch settings (tiles, warps, stages) the tuner also
 # picks per class and GPU; the tuned backend passes the pick as `config=`.
-TUNED_CONFIG_CANDIDATES = {("fused_moe", "triton"), ("fused_moe", "aiter")}
+TUNED_CONFIG_CANDIDATES = {
+    ("fused_moe", "triton"),
+    ("fused_moe", "aiter"),
+    ("linear", "triton"),  # one row: the GEMV's K-loop depth (row_stages)
+    ("fp8_linear", "triton"),
+}
 # Candidates that are timed only for some classes of an op: own triton's linear runs
 # its GEMV up to 8 rows and cuBLAS above, where it would only time torch again.
 ONLY_FOR: dict[str, dict[str, tuple[str, ...]]] = {"linear": {"triton": ("decode1", "decode8")}}

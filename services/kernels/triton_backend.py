@@ -29,9 +29,12 @@ class TritonBackend:
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
 
-    def linear(self, x, layer):
+    def linear(self, x, layer, config=None):
+        # config: {"row_stages": S}, the one-row GEMV's K-loop depth the tuner measured
+        # fastest here (the kernel's default if None)
+        row_stages = None if config is None else config["row_stages"]
         if fp8_format_of(layer) is not None:  # FP8 weights: our block/channel-scaled GEMM
-            return tk.fp8_linear(x, layer)
+            return tk.fp8_linear(x, layer, row_stages)
         # cuBLAS beats Triton GEMMs on the H200 (docs/performance.md), but its GEMV for a few
         # rows streams the weight well below peak bandwidth: decode-sized batches take
         # our own GEMV, larger ones stay on cuBLAS.
@@ -39,7 +42,7 @@ class TritonBackend:
         rows = x.numel() // k if k else 0
         same_dtype = x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
         if 0 < rows <= GEMV_MAX_ROWS and same_dtype and weight.is_contiguous():
-            out = tk.gemv(x.reshape(rows, k), weight, layer.bias)
+            out = tk.gemv(x.reshape(rows, k), weight, layer.bias, row_stages=row_stages)
             return out.view(*x.shape[:-1], weight.shape[0])
         return torch.nn.functional.linear(x, weight, layer.bias)
 

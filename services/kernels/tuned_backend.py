@@ -26,6 +26,7 @@ from services.kernels.tuner import default_candidates, load_candidates, tune
 log = logging.getLogger(__name__)
 
 _MEMO_TOKENS = 256  # token counts whose dispatch is remembered (decode-sized steps)
+_UNSEEN = object()
 
 
 class TunedBackend:
@@ -48,6 +49,7 @@ class TunedBackend:
         self._fp8 = any(key.startswith("fp8_linear.") for key in choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
         self._memo: dict[tuple[str, int], object] = {}  # (op, token count) -> backend
+        self._linear_configs: dict[tuple[str, int], dict | None] = {}  # the same, configs
         # launch settings the tuner picked with a choice ("op.class" -> config)
         self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
 
@@ -76,7 +78,17 @@ class TunedBackend:
                 "an FP8 linear layer reached a tuned backend built for unquantized weights "
                 "(KernelShapes.weight_quant is empty)"
             )
-        return self._by_tokens(op, x.shape[0]).linear(x, layer)
+        n = x.shape[0]
+        memo = (op, n)
+        config = self._linear_configs.get(memo, _UNSEEN)
+        if config is _UNSEEN:  # the launch settings tuned with the choice, if any
+            config = self.configs.get(f"{op}.{token_class(n)}")
+            if n <= _MEMO_TOKENS:
+                self._linear_configs[memo] = config
+        backend = self._by_tokens(op, n)
+        if config is None:
+            return backend.linear(x, layer)
+        return backend.linear(x, layer, config=config)
 
     def rms_norm(self, x, weight, eps):
         return self._by_tokens("rms_norm", x.shape[0]).rms_norm(x, weight, eps)

@@ -48,7 +48,7 @@ from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 10  # 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 11  # 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 # A CPU candidate whose first timed call takes this many times the best so far is
@@ -139,7 +139,14 @@ def config_label(cfg: dict) -> str:
     """Launch settings in a table cell: M x N x K tiles, group, warps, stages (GEMV
     path: N x K blocks, warps)."""
     if cfg.get("kernel") == "gemv":
-        return f"gemv {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
+        stages = "".join(
+            f" {tag}{cfg[k]}"
+            for k, tag in (("num_stages", "s"), ("down_num_stages", "ds"))
+            if k in cfg
+        )
+        return f"gemv {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}{stages}"
+    if "row_stages" in cfg:  # a one-row GEMV's K-loop depth (linear, fp8_linear)
+        return f"gemv s{cfg['row_stages']}"
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
         f"g{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -361,12 +368,22 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
     return result
 
 
-def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[dict]:
-    """The launch settings timed for a TUNED_CONFIG_CANDIDATES kernel. pdserve's own
-    kernel: the neighbourhood of its default (candidate_configs) on a GPU. Other
-    kernels of the op (aiter's): the default and the best config found so far, not a
-    sweep of their own (each config is a compilation at start). Off a GPU the default
-    alone: the CPU runs Triton's interpreter, where timing says nothing about tiles."""
+# One decode row's GEMV (linear, fp8_linear): its K loop plain or pipelined this deep
+ROW_STAGES = (1, 3)
+
+
+def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[dict | None]:
+    """The launch settings timed for a TUNED_CONFIG_CANDIDATES kernel. Linears: on a
+    GPU at decode1 the one-row GEMV at each of ROW_STAGES; elsewhere None (the
+    kernel's own defaults). fused_moe: pdserve's own kernel, the neighbourhood of its
+    default (candidate_configs) on a GPU. Other kernels of the op (aiter's): the
+    default and the best config found so far, not a sweep of their own (each config
+    is a compilation at start). Off a GPU the default alone: the CPU runs Triton's
+    interpreter, where timing says nothing about tiles."""
+    if op in ("linear", "fp8_linear"):
+        if device.type != "cuda" or cls != "decode1":
+            return [None]
+        return [{"row_stages": s} for s in ROW_STAGES]
     # lazy: triton is an optional, heavy import
     from services.kernels.triton.moe_config import candidate_configs, default_config
 

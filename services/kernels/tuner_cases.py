@@ -59,8 +59,10 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
             (x, _copy(layer)) for x, layer in layers * (_cpu_copies(shapes, n, device, dtype) - 1)
         ]
 
+        kw = {} if config is None else {"config": config}
+
         def call():
-            return [backend.linear(x, layer) for x, layer in layers][:compared]
+            return [backend.linear(x, layer, **kw) for x, layer in layers][:compared]
     elif op == "fp8_linear":
         fmt = shapes.fp8_format()
         layers = [
@@ -68,8 +70,10 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
             for k, out in shapes.linear_shapes()
         ]
 
+        kw = {} if config is None else {"config": config}
+
         def call():
-            return [backend.linear(x, layer) for x, layer in layers]
+            return [backend.linear(x, layer, **kw) for x, layer in layers]
     elif op == "rms_norm":
         x, w = rand(n, h), rand(h)
 

@@ -34,8 +34,9 @@ def test_fp8_gemv_matches_the_reference(fmt, bias, device):
     out = fp8_gemv.fp8_gemv(x, layer.weight, layer.weight_scale, FORMATS[fmt], layer.bias)
     assert out.shape == (1, 200) and out.dtype == torch.float32
     assert rel_err(out, fp8_linear_reference(x, layer)) < TOL[torch.float32]
-    # the triton backend's FP8 forward sends one row here
+    # the triton backend's FP8 forward sends one row here, at the tuner's K-loop depth
     assert torch.equal(fp8_gemm.fp8_linear(x, layer), out)
+    assert torch.equal(fp8_gemm.fp8_linear(x, layer, row_stages=3), out)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.num_stages}")

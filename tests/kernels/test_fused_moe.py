@@ -245,7 +245,11 @@ def test_candidate_configs(t, e, top_k):
     assert configs[0] == default_config(t, e, 2048, 768, top_k, torch.bfloat16)
     gemv = [c for c in configs if c.get("kernel") == "gemv"]
     assert len(configs) - len(gemv) == 4
-    assert len(gemv) == (2 if t * top_k <= 64 else 0)
+    assert len(gemv) == (3 if t * top_k <= 64 else 0)
+    if gemv:  # one setting pipelines both K loops
+        assert [(c.get("num_stages", 1), c.get("down_num_stages", 1)) for c in gemv] == [
+            (1, 1), (1, 1), (3, 2)
+        ]  # fmt: skip
     assert all(a != b for i, a in enumerate(configs) for b in configs[i + 1 :])
     for cfg in configs:
         assert _check_config(dict(cfg)) == cfg
@@ -265,17 +269,16 @@ def test_gemv_path_matches_reference(t, e, top_k, renormalize, device):
     assert_close_rel(out, _reference(x, logits, w13, w2, top_k, renormalize), torch.float32)
 
 
-def test_gemv_path_with_pipelined_k_loops(device, monkeypatch):
-    """Both GEMV kernels' K loops several tiles deep (gate/up by its config's
-    num_stages, down by DOWN_STAGES): the same sums."""
-    from services.kernels.triton import moe_gemv
-
-    monkeypatch.setattr(moe_gemv, "DOWN_STAGES", 3)
+def test_gemv_path_with_pipelined_k_loops(device):
+    """Both GEMV kernels' K loops several tiles deep (the config's num_stages for
+    gate/up, down_num_stages for down): the same sums."""
     x, logits, w13, w2 = _moe_inputs(3, 8, 72, 200, device=device, seed=11)  # 2 down tiles
-    out = fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "num_stages": 3})
+    deep = {**GEMV, "num_stages": 3, "down_num_stages": 3}
+    out = fused_moe(x, logits, w13, w2, 2, True, config=deep)
     assert_close_rel(out, _reference(x, logits, w13, w2, 2, True), torch.float32)
-    with pytest.raises(ValueError, match="num_stages"):
-        fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, "num_stages": 0})
+    for key in ("num_stages", "down_num_stages"):
+        with pytest.raises(ValueError, match=key):
+            fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, key: 0})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -407,7 +410,7 @@ def test_every_tuner_config_is_correct(impl, t):
     tiles = [cfg for cfg in configs if cfg.get("kernel") != "gemv"]
     gemv = [cfg for cfg in configs if cfg.get("kernel") == "gemv"]
     assert len(tiles) == 4
-    assert len(gemv) == (2 if t * top_k <= GEMV_MAX_PAIRS else 0)
+    assert len(gemv) == (3 if t * top_k <= GEMV_MAX_PAIRS else 0)
     # aiter's kernel takes tile configs only; the GEMV path is pdserve's own
     for cfg in tiles + (gemv if impl == "triton" else []):
         out = backend.fused_moe(x, logits, w13, w2, top_k, True, config=cfg)

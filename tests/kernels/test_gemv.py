@@ -150,17 +150,37 @@ def test_triton_backend_linear(dtype, device, monkeypatch):
         _randn(N, dtype=dtype, device=device, seed=51),
     )
     calls = []
-    monkeypatch.setattr(tk, "gemv", lambda *a, **kw: calls.append(1) or gemv(*a, **kw))
+    monkeypatch.setattr(tk, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
     backend = TritonBackend()
 
     x1 = _randn(1, 1, K, dtype=dtype, device=device, seed=52)  # leading dims kept
     out = backend.linear(x1, layer)
-    assert out.shape == (1, 1, N) and out.dtype == dtype and calls == [1]
+    assert out.shape == (1, 1, N) and out.dtype == dtype and calls == [{"row_stages": None}]
     assert_close_rel(out, _reference(x1, layer.weight, layer.bias), dtype)
+    # the tuner's K-loop depth for one row reaches the kernel; the same sums
+    assert torch.equal(backend.linear(x1, layer, config={"row_stages": 3}), out)
+    assert calls[-1] == {"row_stages": 3}
 
     x16 = _randn(16, K, dtype=dtype, device=device, seed=53)  # past 8 rows: cuBLAS
     assert torch.equal(backend.linear(x16, layer), F.linear(x16, layer.weight, layer.bias))
-    assert calls == [1]
+    assert len(calls) == 2
+
+
+def test_row_stages_deepen_one_rows_k_loop_only(device, monkeypatch):
+    """gemv(row_stages=S): one row's launch takes S as its K-loop depth; more rows keep
+    their tensor-core path's own stages."""
+    import importlib
+
+    gemv_mod = importlib.import_module("services.kernels.triton.gemv")  # not the function
+    launched = []
+    real = gemv_mod._launch
+    monkeypatch.setattr(gemv_mod, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    w = _randn(N, K, dtype=torch.float32, device=device, seed=54, scale=K**-0.5)
+    for m in (1, 5):
+        x = _randn(m, K, dtype=torch.float32, device=device, seed=55)
+        assert torch.equal(gemv(x, w, row_stages=4), gemv(x, w))
+    assert launched[0].num_stages == 4 and launched[1].num_stages != 4  # one row
+    assert launched[2].num_stages == launched[3].num_stages  # five rows: untouched
 
 
 # ---- Llama-3-8B projections on a GPU -------------------------------------------------

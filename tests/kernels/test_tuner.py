@@ -192,6 +192,58 @@ def test_tuned_backend_passes_the_tuned_launch_config(candidates):
     assert spy.seen == [small, None]
 
 
+class _RecordingLinear:
+    """Observes the config the tuned backend hands to pdserve's Triton linear."""
+
+    name = "triton"
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def linear(self, x, layer, config=None):
+        self.seen.append(config)
+        return self.inner.linear(x, layer, config=config)
+
+
+def test_tuned_backend_passes_the_tuned_row_stages(candidates):
+    """linear.decode1's tuned K-loop depth goes with every one-row call, nothing with
+    the other classes' calls."""
+    from services.kernels.tuned_backend import TunedBackend
+
+    spy = _RecordingLinear(candidates["triton"])
+    choices = {k: "torch" for k in ALL_KEYS} | {"linear.decode1": "triton"}
+    choices["linear.decode8"] = "triton"
+    tuned = {"linear.decode1": {"row_stages": 3}}
+    backend = TunedBackend({"torch": candidates["torch"], "triton": spy}, choices, SHAPES, tuned)
+    gen = torch.Generator().manual_seed(3)
+    layer = torch.nn.Linear(64, 48)
+    for rows in (1, 3, 1):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(backend.linear(x, layer), layer(x), rtol=1e-5, atol=1e-5)
+    assert spy.seen == [{"row_stages": 3}, None, {"row_stages": 3}]
+
+
+def test_one_row_gemvs_tune_their_k_loop_depth_on_a_gpu():
+    """A GPU times the one-row GEMV (linear, fp8_linear) at each K-loop depth at
+    decode1 only (more rows run other kernels); a CPU (the interpreter) its default."""
+    from services.kernels.tuner import ROW_STAGES, _launch_configs, config_label
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert 1 in ROW_STAGES and len(ROW_STAGES) > 1  # today's plain loads stay a candidate
+    for op in ("linear", "fp8_linear"):
+        got = _launch_configs(op, "decode1", SHAPES, None, cuda, {})
+        assert got == [{"row_stages": s} for s in ROW_STAGES]
+        assert _launch_configs(op, "decode8", SHAPES, None, cuda, {}) == [None]
+        assert _launch_configs(op, "decode1", SHAPES, None, cpu, {}) == [None]
+    assert config_label({"row_stages": 3}) == "gemv s3"
+    moe = {"kernel": "gemv", "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}
+    assert config_label(moe) == "gemv 8x256 w4"
+    assert config_label({**moe, "num_stages": 3, "down_num_stages": 2}) == "gemv 8x256 w4 s3 ds2"
+
+
 class _WrongNorm(TorchBackend):
     """A deliberately broken candidate (fault injected on purpose)."""
 

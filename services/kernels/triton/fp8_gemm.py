@@ -292,16 +292,19 @@ def fp8_gemm(
     return out
 
 
-def fp8_linear(x: torch.Tensor, layer) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, layer, row_stages: int | None = None) -> torch.Tensor:
     """An Fp8Linear's forward: one row through the fused FP8 GEMV (fp8_gemv.py), more
-    rows quantized as the format says, then the FP8 GEMM."""
+    rows quantized as the format says, then the FP8 GEMM. row_stages: the GEMV's K-loop
+    depth (the kernel tuner's pick), for one row."""
 
     fmt = layer.fp8_format
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     weight = layer.weight
     if fp8_gemv.supports(x2.shape[0], fmt, weight):  # a decode row: one fused launch
-        out = fp8_gemv.fp8_gemv(x2, weight, layer.weight_scale, fmt, layer.bias)
+        out = fp8_gemv.fp8_gemv(
+            x2, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages
+        )
         return out.view(*x.shape[:-1], out.shape[-1])
     xq, xs = quantize_activation(x2, fmt.act_group(k), weight.dtype)
     if weight.stride(1) != 1:

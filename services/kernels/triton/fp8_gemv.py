@@ -21,7 +21,7 @@ under TRITON_INTERPRET=1 on a CPU (e4m3fn only, like fp8_gemm.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -223,8 +223,10 @@ def fp8_gemv(
     bias: torch.Tensor | None,
     *,
     config: Fp8GemvConfig | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch."""
+    """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch.
+    num_stages: the K loop's depth in place of the config's (the kernel tuner's pick)."""
     check_device(_fp8_gemv_kernel, x, weight)
     if not supports(x.shape[0], fmt, weight):
         raise ValueError(
@@ -245,6 +247,8 @@ def fp8_gemv(
             if interpreted
             else default_config(n, k, fmt, device_sms(x))
         )
+    if num_stages is not None:
+        config = replace(config, num_stages=num_stages)
     cfg = _fit(config, k, fmt)
     if fmt.granularity == "block":
         ws_strides = (weight_scale.stride(0), weight_scale.stride(1))

@@ -241,9 +241,12 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    row_stages: int | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(x, weight, bias) for x [M <= 8, K] (any strides) and a
-    row-major weight [N, K]; fp32 accumulation, output [M, N] in x's dtype."""
+    row-major weight [N, K]; fp32 accumulation, output [M, N] in x's dtype. row_stages:
+    for one row, the K loop's depth in place of the config's (the kernel tuner's pick
+    for this GPU); more rows take their tensor-core path's own."""
     _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -259,6 +262,8 @@ def gemv(
             if is_interpreted(_gemv_kernel)
             else default_config(n, k, device_sms(x), m)
         )
+    if row_stages is not None and m == 1:
+        config = replace(config, num_stages=row_stages)
     _launch(x, weight, bias, out, config)
     return out
 

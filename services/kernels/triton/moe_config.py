@@ -112,7 +112,8 @@ def candidate_configs(
     first, then single-step neighbours of it (taller M tiles once experts get many
     rows, wider / narrower N tiles, the other K depth, the other warp count), fitted
     to shared memory, without duplicates, `limit` of them; for at most GEMV_MAX_PAIRS
-    pairs also two settings of the GEMV path (moe_gemv.py), unless dtype (the weights')
+    pairs also three settings of the GEMV path (moe_gemv.py: its default, a narrower
+    and deeper tile, and its K loops pipelined), unless dtype (the weights')
     is FP8, which the GEMV path does not take. A handful only: each is a
     compilation of both kernels on a worker's first start on a machine (~3 s on an
     H200)."""
@@ -135,7 +136,12 @@ def candidate_configs(
     fp8 = dtype.itemsize == 1  # FP8 experts: no GEMV path
     if num_tokens * top_k <= GEMV_MAX_PAIRS and not fp8:  # decode batches: the GEMV path too
         gemv = default_gemv_config(num_tokens, E, H, I, top_k)
-        out += [gemv, {**gemv, "BLOCK_N": gemv["BLOCK_N"] // 2, "BLOCK_K": gemv["BLOCK_K"] * 2}]
+        out += [
+            gemv,
+            {**gemv, "BLOCK_N": gemv["BLOCK_N"] // 2, "BLOCK_K": gemv["BLOCK_K"] * 2},
+            # both K loops pipelined: more weight bytes in flight per program
+            {**gemv, "num_stages": 3, "down_num_stages": 2},
+        ]
     return out
 
 

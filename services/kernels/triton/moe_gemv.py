@@ -40,8 +40,10 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.moe_align import _route_chunk
 
-GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")  # and optionally num_stages
-DOWN_STAGES = 1  # the down kernel's K tiles in flight (1: plain loads; see gemv.py)
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+# optional: K tiles in flight in the gate/up and the down kernel's K loops (cp.async
+# into shared memory; 1, the default: plain loads, one tile in flight)
+GEMV_STAGE_KEYS = ("num_stages", "down_num_stages")
 # Beyond this many pairs experts are shared by several tokens, and the tiled kernel
 # reads each expert once where GEMVs would read it per pair.
 GEMV_MAX_PAIRS = 64
@@ -68,9 +70,10 @@ def check_gemv_config(cfg: dict) -> dict:
             raise ValueError(f"{key} must be a power of two >= {low}, got {v!r}")
     if cfg["num_warps"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {cfg['num_warps']!r}")
-    stages = cfg.get("num_stages", 1)
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"num_stages must be a positive int, got {stages!r}")
+    for key in GEMV_STAGE_KEYS:
+        stages = cfg.get(key, 1)
+        if not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"{key} must be a positive int, got {stages!r}")
     return cfg
 
 
@@ -239,8 +242,8 @@ def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, con
     _down_sum_kernel[(t, triton.cdiv(h, down_n))](
         act, w2, out, ids, weights, h, inter, w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1), TOP_K=top_k, K_P=next_pow2(top_k), BLOCK_N=down_n,
-        BLOCK_K=min(down_k, next_pow2(max(inter, 16))), NUM_STAGES=DOWN_STAGES, USE_PDL=pdl,
-        num_warps=4,
+        BLOCK_K=min(down_k, next_pow2(max(inter, 16))), NUM_STAGES=cfg.get("down_num_stages", 1),
+        USE_PDL=pdl, num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip
     return out
