@@ -387,14 +387,9 @@ def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[d
     # lazy: triton is an optional, heavy import
     from services.kernels.triton.moe_config import candidate_configs, default_config
 
-    args = (
-        sizes.tokens(cls),
-        shapes.num_experts,
-        shapes.hidden_size,
-        shapes.moe_intermediate_size,
-        shapes.top_k,
-        torch.float8_e4m3fn if shapes.fp8_experts else shapes.torch_dtype,  # tile bytes
-    )
+    tile_dtype = torch.float8_e4m3fn if shapes.fp8_experts else shapes.torch_dtype
+    args = (sizes.tokens(cls), shapes.num_experts, shapes.hidden_size,
+            shapes.moe_intermediate_size, shapes.top_k, tile_dtype)  # fmt: skip
     default = default_config(*args)
     if device.type != "cuda":
         return [default]
