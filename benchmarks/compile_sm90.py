@@ -57,11 +57,13 @@ def compile_report(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"ptxas -v did not report registers and spills:\n{log}")
     return {
         "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
         "smem": compiled.metadata.shared,
-        "regs": int(regs.group(1)) if regs else None,
-        "spill_bytes": int(spills.group(1)) if spills else 0,
+        "regs": int(regs.group(1)),
+        "spill_bytes": int(spills.group(1)),
     }
 
 
