@@ -153,26 +153,30 @@ def test_a_moe_model_gets_fused_moe_choices_that_capture(tmp_path, candidates):
     )
 
 
-class _RecordingTriton:
-    """Observes the config the tuned backend hands to pdserve's Triton fused MoE."""
+class _Recording:
+    """Observes the config the tuned backend hands to one op of pdserve's Triton."""
 
     name = "triton"
 
-    def __init__(self, inner):
-        self.inner, self.seen = inner, []
+    def __init__(self, inner, op: str):
+        self.inner, self.op, self.seen = inner, op, []
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        method = getattr(self.inner, name)
+        if name != self.op:
+            return method
 
-    def fused_moe(self, *args, config=None):
-        self.seen.append(config)
-        return self.inner.fused_moe(*args, config=config)
+        def recorded(*args, config=None):
+            self.seen.append(config)
+            return method(*args, config=config)
+
+        return recorded
 
 
 def test_tuned_backend_passes_the_tuned_launch_config(candidates):
     from services.kernels.tuned_backend import TunedBackend
 
-    spy = _RecordingTriton(candidates["triton"])
+    spy = _Recording(candidates["triton"], "fused_moe")
     choices = {k: "torch" for k in ALL_KEYS}
     choices |= {f"fused_moe.{c}": "triton" for c in OP_CLASSES["fused_moe"]}
     small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
@@ -192,28 +196,12 @@ def test_tuned_backend_passes_the_tuned_launch_config(candidates):
     assert spy.seen == [small, None]
 
 
-class _RecordingLinear:
-    """Observes the config the tuned backend hands to pdserve's Triton linear."""
-
-    name = "triton"
-
-    def __init__(self, inner):
-        self.inner, self.seen = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def linear(self, x, layer, config=None):
-        self.seen.append(config)
-        return self.inner.linear(x, layer, config=config)
-
-
 def test_tuned_backend_passes_the_tuned_row_stages(candidates):
     """linear.decode1's tuned K-loop depth goes with every one-row call, nothing with
     the other classes' calls."""
     from services.kernels.tuned_backend import TunedBackend
 
-    spy = _RecordingLinear(candidates["triton"])
+    spy = _Recording(candidates["triton"], "linear")
     choices = {k: "torch" for k in ALL_KEYS} | {"linear.decode1": "triton"}
     choices["linear.decode8"] = "triton"
     tuned = {"linear.decode1": {"row_stages": 3}}
