@@ -20,7 +20,10 @@ import time
 
 import grpc
 
-from benchmarks.router_overhead import pct, start_worker
+try:  # imported from the repository's root (tests)
+    from benchmarks.router_overhead import pct, start_worker
+except ImportError:  # run as a script: benchmarks/ is the first path
+    from router_overhead import pct, start_worker  # type: ignore[no-redef]
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from router.mux import DecodeMux
 

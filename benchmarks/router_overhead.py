@@ -21,6 +21,10 @@ import urllib.request
 import aiohttp
 import grpc
 
+try:  # imported from the repository's root (tests)
+    from benchmarks.router_cpu import tree_cpu_s
+except ImportError:  # run as a script: benchmarks/ is the first path
+    from router_cpu import tree_cpu_s  # type: ignore[no-redef]
 from pdpb.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.launcher import PDSERVE, Child
 from router.mux import DecodeMux
@@ -261,6 +265,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for n in args.concurrency:
             rounds = args.rounds or max(2, 64 // n)
+            cpu0, _ = tree_cpu_s(router.pid)
             if args.clients > 1:
                 raw = run_clients(
                     url, decode.address, prefill.address, n, args.max_tokens, rounds, args.clients
@@ -276,6 +281,12 @@ def main() -> None:
                     f"| {r['itl_p50_ms']:.1f} ms | {r['itl_p99_ms']:.1f} ms |",
                     flush=True,
                 )
+            cpu1, procs = tree_cpu_s(router.pid)
+            # only the router path's requests reach the router
+            per_request_ms = (cpu1 - cpu0) / (n * rounds) * 1e3
+            print(
+                f"router CPU at {n} streams: {per_request_ms:.3f} ms a request ({procs} processes)"
+            )
             print(json.dumps({"streams": n, **paths}), file=sys.stderr)
     finally:
         router.terminate()
