@@ -52,6 +52,7 @@ class TunedBackend:
         self._linear_configs: dict[tuple[str, int], dict | None] = {}  # the same, configs
         # launch settings the tuner picked with a choice ("op.class" -> config)
         self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
+        self._linear_tuned = any(k.split(".")[0] in ("linear", "fp8_linear") for k in self.configs)
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         """Why mixed steps of these token counts cannot run as CUDA graphs here."""
@@ -79,13 +80,14 @@ class TunedBackend:
                 "(KernelShapes.weight_quant is empty)"
             )
         n = x.shape[0]
-        memo = (op, n)
-        config = self._linear_configs.get(memo, _UNSEEN)
+        backend = self._by_tokens(op, n)
+        if not self._linear_tuned:  # a CPU's picks: no launch settings to pass
+            return backend.linear(x, layer)
+        config = self._linear_configs.get((op, n), _UNSEEN)
         if config is _UNSEEN:  # the launch settings tuned with the choice, if any
             config = self.configs.get(f"{op}.{token_class(n)}")
             if n <= _MEMO_TOKENS:
-                self._linear_configs[memo] = config
-        backend = self._by_tokens(op, n)
+                self._linear_configs[op, n] = config
         if config is None:
             return backend.linear(x, layer)
         return backend.linear(x, layer, config=config)
