@@ -26,7 +26,6 @@ from services.kernels.tuner import default_candidates, load_candidates, tune
 log = logging.getLogger(__name__)
 
 _MEMO_TOKENS = 256  # token counts whose dispatch is remembered (decode-sized steps)
-_UNSEEN = object()
 
 
 class TunedBackend:
@@ -49,10 +48,10 @@ class TunedBackend:
         self._fp8 = any(key.startswith("fp8_linear.") for key in choices)
         self._pick = {key: backends[name] for key, name in choices.items()}
         self._memo: dict[tuple[str, int], object] = {}  # (op, token count) -> backend
-        self._linear_configs: dict[tuple[str, int], dict | None] = {}  # the same, configs
+        # (op, token count) -> (backend, launch settings or None), for linears
+        self._linear_memo: dict[tuple[str, int], tuple[object, dict | None]] = {}
         # launch settings the tuner picked with a choice ("op.class" -> config)
         self.configs = {k: dict(v) for k, v in (configs or {}).items() if k in choices}
-        self._linear_tuned = any(k.split(".")[0] in ("linear", "fp8_linear") for k in self.configs)
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         """Why mixed steps of these token counts cannot run as CUDA graphs here."""
@@ -80,14 +79,13 @@ class TunedBackend:
                 "(KernelShapes.weight_quant is empty)"
             )
         n = x.shape[0]
-        backend = self._by_tokens(op, n)
-        if not self._linear_tuned:  # a CPU's picks: no launch settings to pass
-            return backend.linear(x, layer)
-        config = self._linear_configs.get((op, n), _UNSEEN)
-        if config is _UNSEEN:  # the launch settings tuned with the choice, if any
-            config = self.configs.get(f"{op}.{token_class(n)}")
+        picked = self._linear_memo.get((op, n))
+        if picked is None:  # the backend and the launch settings tuned with it, if any
+            key = f"{op}.{token_class(n)}"
+            picked = self._pick[key], self.configs.get(key)
             if n <= _MEMO_TOKENS:
-                self._linear_configs[op, n] = config
+                self._linear_memo[op, n] = picked
+        backend, config = picked
         if config is None:
             return backend.linear(x, layer)
         return backend.linear(x, layer, config=config)
