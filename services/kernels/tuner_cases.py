@@ -46,6 +46,7 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
     n = sizes.tokens(cls)
+    linear_kw = {} if config is None else {"config": config}  # linear, fp8_linear
     h, eps = shapes.hidden_size, shapes.rms_norm_eps
     hq, hk, d = shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim
     if op == "linear":
@@ -59,10 +60,8 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
             (x, _copy(layer)) for x, layer in layers * (_cpu_copies(shapes, n, device, dtype) - 1)
         ]
 
-        kw = {} if config is None else {"config": config}
-
         def call():
-            return [backend.linear(x, layer, **kw) for x, layer in layers][:compared]
+            return [backend.linear(x, layer, **linear_kw) for x, layer in layers][:compared]
     elif op == "fp8_linear":
         fmt = shapes.fp8_format()
         layers = [
@@ -70,10 +69,8 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
             for k, out in shapes.linear_shapes()
         ]
 
-        kw = {} if config is None else {"config": config}
-
         def call():
-            return [backend.linear(x, layer, **kw) for x, layer in layers]
+            return [backend.linear(x, layer, **linear_kw) for x, layer in layers]
     elif op == "rms_norm":
         x, w = rand(n, h), rand(h)
 
