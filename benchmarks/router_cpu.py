@@ -1,7 +1,7 @@
 """A running router's CPU time per request, measured from /proc over bursts of streamed
 one-token completions sent together, with the client's own CPU time and the bursts'
 TTFT median. The router must run on this machine (its pid is read from /proc); with
-`--api-server-count` N > 1 give the pid of each server process in turn.
+`--api-server-count` N > 1 its server processes are counted with it.
 
     pdserve router --port 8190 --prefill 127.0.0.1:50160 --decode 127.0.0.1:50161 &
     python benchmarks/router_cpu.py --url http://127.0.0.1:8190 --pid $! --bursts 20 --burst 64
@@ -15,13 +15,6 @@ import os
 import time
 
 import aiohttp
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (its own threads; /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def tree_cpu_s(pid: int) -> tuple[float, int]:
@@ -72,11 +65,11 @@ async def run(url: str, pid: int, bursts: int, burst: int) -> dict:
         async with session.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         await asyncio.gather(*(_one(session, url, model, i) for i in range(burst)))  # warm
-        router0, client0 = process_cpu_s(pid), time.process_time()
+        router0, client0 = tree_cpu_s(pid)[0], time.process_time()
         ttft: list[float] = []
         for _ in range(bursts):
             ttft += await asyncio.gather(*(_one(session, url, model, i) for i in range(burst)))
-        router1, client1 = process_cpu_s(pid), time.process_time()
+        router1, client1 = tree_cpu_s(pid)[0], time.process_time()
     n = bursts * burst
     ttft.sort()
     return {
@@ -90,7 +83,7 @@ async def run(url: str, pid: int, bursts: int, burst: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True, help="the router's base URL")
-    ap.add_argument("--pid", type=int, required=True, help="the router process's pid")
+    ap.add_argument("--pid", type=int, required=True, help="the router's (main) process pid")
     ap.add_argument("--bursts", type=int, default=20)
     ap.add_argument("--burst", type=int, default=64, help="requests sent together")
     args = ap.parse_args()
