@@ -48,7 +48,7 @@ def without_linears(backend) -> None:
 
 def main() -> None:
     from services.engine import LLM
-    from services.kernels.tuner import cpu_model
+    from services.kernels.cpu_info import cpu_model
     from services.models.default_model import default_model_dir
 
     ap = argparse.ArgumentParser()

@@ -127,7 +127,7 @@ def main() -> None:
     bench_transformers(model, tok, ["warm up"], [4], "batched")
     llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
 
-    from services.kernels.tuner import cpu_model
+    from services.kernels.cpu_info import cpu_model
 
     print(
         f"CPU: {cpu_model()}, torch threads: {torch.get_num_threads()}, dtype {args.dtype}, "

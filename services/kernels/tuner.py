@@ -31,6 +31,7 @@ import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
 from services.kernels.cpu_backend import CpuOneDnnBackend, CpuSlabBackend
+from services.kernels.cpu_info import cpu_flags_digest, cpu_model
 from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
     DECODE_CLASSES,
@@ -219,19 +220,6 @@ def _device_name(device: torch.device) -> str:
     return f"cpu {cpu_model()} {torch.get_num_threads()} threads"
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def _versions() -> dict[str, str]:
     out = {"torch": torch.__version__, "tuner": str(TUNER_VERSION)}
     for dist in ("triton", "amd-aiter"):
@@ -243,17 +231,19 @@ def _versions() -> dict[str, str]:
 
 
 def _cache_key(
-    shapes: KernelShapes, sizes: TuningSizes, device_name: str, names, graphs: bool
+    shapes: KernelShapes, sizes: TuningSizes, device: torch.device, names, graphs: bool
 ) -> str:
     return json.dumps(
         {
-            "device": device_name,
+            "device": _device_name(device),
             "graphs": graphs,
             "shapes": asdict(shapes),
             "sizes": asdict(sizes),
             "versions": _versions(),
             "candidates": sorted(names),
             "interpreted": os.environ.get("TRITON_INTERPRET") == "1",
+            # a VM's CPU name hides what the CPU can do: its flags are part of the key
+            "cpu_flags": cpu_flags_digest() if device.type == "cpu" else None,
         },
         sort_keys=True,
     )
@@ -288,7 +278,7 @@ def tune(
         candidates = load_candidates(default_candidates(device))
     graphs = device.type == "cuda" if graphs is None else graphs
     name = _device_name(device)
-    key = _cache_key(shapes, sizes, name, candidates, graphs)
+    key = _cache_key(shapes, sizes, device, candidates, graphs)
     path = cache_file(name, cache_dir)
     if not retune:
         cached = _read_cache(path).get(key)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
+from services.kernels.cpu_info import cpu_flags_digest
 from services.kernels.interface import AttentionMetadata, kv_cache_is_fp8
 from services.kernels.torch_backend import TorchBackend
 
@@ -57,21 +58,14 @@ def _compiler() -> str:
     return cc
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def library_path() -> Path:
     """Where this machine's build lives: keyed by everything that changes the binary."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(
-            s.encode() for s in (SOURCE.read_text(), cc, version, _cpu_flags(), torch.__version__)
+            s.encode()
+            for s in (SOURCE.read_text(), cc, version, cpu_flags_digest(), torch.__version__)
         )
     ).hexdigest()[:16]
     return kernel_tuning_dir() / "cpu_native" / f"kernels-{key}.so"
