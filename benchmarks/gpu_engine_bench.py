@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    # the engine's start-up phases (kernel tuning, weights, graph capture) with their times
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    logging.getLogger("services.engine.startup").setLevel(logging.INFO)
     max_seqs = max(args.batch + args.closed_loop)
 
     device = torch.device("cuda")
