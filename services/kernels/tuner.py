@@ -231,11 +231,16 @@ def _versions() -> dict[str, str]:
 
 
 def _cache_key(
-    shapes: KernelShapes, sizes: TuningSizes, device: torch.device, names, graphs: bool
+    shapes: KernelShapes,
+    sizes: TuningSizes,
+    device: torch.device,
+    device_name: str,
+    names,
+    graphs: bool,
 ) -> str:
     return json.dumps(
         {
-            "device": _device_name(device),
+            "device": device_name,
             "graphs": graphs,
             "shapes": asdict(shapes),
             "sizes": asdict(sizes),
@@ -278,7 +283,7 @@ def tune(
         candidates = load_candidates(default_candidates(device))
     graphs = device.type == "cuda" if graphs is None else graphs
     name = _device_name(device)
-    key = _cache_key(shapes, sizes, device, candidates, graphs)
+    key = _cache_key(shapes, sizes, device, name, candidates, graphs)
     path = cache_file(name, cache_dir)
     if not retune:
         cached = _read_cache(path).get(key)

@@ -25,8 +25,13 @@ def llm(model_dir):
     # backend: these logprobs are held to 1e-4 of transformers', and the default (tuned)
     # backend's picks change with the CPU (on an AVX-512 Zen 4 its C RMSNorm's own sum
     # order moved one by 1.7e-4); the kernels' numerics are tested against torch apart
-    kw = dict(max_num_batched_tokens=16, block_size=16, num_kv_blocks=64)
-    return LLM(str(model_dir), kernel_backend="torch", **kw)
+    return LLM(
+        str(model_dir),
+        kernel_backend="torch",
+        max_num_batched_tokens=16,
+        block_size=16,
+        num_kv_blocks=64,
+    )
 
 
 @pytest.fixture(scope="module")
