@@ -7,7 +7,8 @@ Arguments are specialised as Triton's launcher would for real tensors: pointers 
 sizes 16-divisible, unit strides along K constant 1.
 
     python benchmarks/compile_sm90.py fp8:8,1024,4,1 fp8:8,1024,4,3 gated:8,256,4,3
-    (KERNEL:block_n,block_k,num_warps,num_stages; KERNEL is gemv, fp8, gated or down)
+    (KERNEL:block_n,block_k,num_warps,num_stages[,k_fold]; KERNEL is gemv, fp8, gated or
+    down; k_fold for gemv, fp8 and gated)
 
 Prints one JSON line per kernel. Run it without TRITON_INTERPRET (the interpreter's
 kernels cannot be compiled).
@@ -67,32 +68,32 @@ def compile_report(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
     }
 
 
-def _gemv(block_n, block_k, warps, stages):
+def _gemv(block_n, block_k, warps, stages, fold=1):
     mod = importlib.import_module("services.kernels.triton.gemv")
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16")
     ce = dict(stride_xk=1, HAS_BIAS=False, EVEN_K=True, BLOCK_M=1, BLOCK_N=block_n,
               BLOCK_K=block_k, SPLIT_K=1, PRECISION="ieee", UPCAST_DOT=False,
-              NUM_STAGES=stages, USE_PDL=True)  # fmt: skip
+              NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
     return compile_report(mod._gemv_kernel, ptrs, ce, warps)
 
 
-def _fp8(block_n, block_k, warps, stages):
+def _fp8(block_n, block_k, warps, stages, fold=1):
     from services.kernels.triton import fp8_gemv
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16",
                 out_ptr="*bf16")  # fmt: skip
     ce = dict(GRANULARITY=0, GROUP=128, SCALE_N=128, HAS_BIAS=False, EVEN_K=True,
               FP8_MAX_=448.0, MIN_AMAX=1e-12, ROUND_IN_FP32=False, BLOCK_N=block_n,
-              BLOCK_K=block_k, NUM_STAGES=stages, USE_PDL=True)  # fmt: skip
+              BLOCK_K=block_k, NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
     return compile_report(fp8_gemv._fp8_gemv_kernel, ptrs, ce, warps)
 
 
-def _gated(block_n, block_k, warps, stages):
+def _gated(block_n, block_k, warps, stages, fold=1):
     from services.kernels.triton import moe_gemv
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", ids_ptr="*i32")
     ce = dict(stride_xh=1, stride_wk=1, TOP_K=8, BLOCK_N=block_n, BLOCK_K=block_k,
-              NUM_STAGES=stages, USE_PDL=True)  # fmt: skip
+              NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
     return compile_report(moe_gemv._gated_kernel, ptrs, ce, warps)
 
 
@@ -115,8 +116,7 @@ def main() -> None:
         sys.exit(__doc__)
     for spec in specs:
         kind, sizes = spec.split(":")
-        block_n, block_k, warps, stages = map(int, sizes.split(","))
-        report = KERNELS[kind](block_n, block_k, warps, stages)
+        report = KERNELS[kind](*map(int, sizes.split(",")))
         print(json.dumps({"kernel": spec, **report}), flush=True)
 
 

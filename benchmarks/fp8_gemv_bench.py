@@ -6,6 +6,7 @@ bytes per second; the default config is marked.
 
     python benchmarks/fp8_gemv_bench.py [--shapes 8b 70b] [--formats block channel]
         [--block-n 2 4 8 16] [--block-k 512 1024 2048] [--warps 2 4] [--stages 1 3]
+        [--fold 1 4 16]
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ def _bench_format(label, n, k, fmt, args) -> None:
         )
     default = fp8_gemv.default_config(n, k, fmt, device_sms(x))
     grid = [
-        fp8_gemv.Fp8GemvConfig(bn, bk, w, st)
-        for bn, bk, w, st in itertools.product(args.block_n, args.block_k, args.warps, args.stages)
+        fp8_gemv.Fp8GemvConfig(bn, bk, w, st, f)
+        for bn, bk, w, st, f in itertools.product(
+            args.block_n, args.block_k, args.warps, args.stages, args.fold
+        )
+        if f <= bk
     ]
     results = []
     for cfg in [default] + [c for c in grid if c != default]:
@@ -101,7 +105,8 @@ def _bench_format(label, n, k, fmt, args) -> None:
     for us, cfg in sorted(results, key=lambda r: r[0])[:4] + [results[0]]:
         tag = " (default)" if cfg == default else ""
         print(
-            f"{label} fp8 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
+            f"{label} fp8 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+            f"f{cfg.k_fold}: "
             f"{us:7.1f} us {n * k / us / 1e6:5.2f} TB/s{tag}",
             flush=True,
         )
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 3], help="W tiles in flight")
+    ap.add_argument("--fold", type=int, nargs="+", default=[1], help="Fp8GemvConfig.k_fold")
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[8, 64])
     args = ap.parse_args()
     fmts = {"block": Fp8Format("block", 128, 128), "channel": Fp8Format("channel")}

@@ -5,7 +5,7 @@ HBM's. Prints the default config's time and the best few, in us and TB/s of weig
 
     python benchmarks/gemv_configs_bench.py --config benchmarks/configs/qwen3-30b-a3b.json
         [--rows 1] [--block-n 2 4 8 16] [--block-k 256 512 1024 2048] [--warps 2 4 8]
-        [--stages 1 3] [--split-k 1 2 4]
+        [--stages 1 3] [--split-k 1 2 4] [--fold 1 8]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 3], help="W tiles in flight")
+    ap.add_argument("--fold", type=int, nargs="+", default=[1], help="GemvConfig.k_fold (one row)")
     ap.add_argument("--split-k", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--with-norm", action="store_true", help="also time norm + GEMV")
     args = ap.parse_args()
@@ -73,10 +74,11 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             default = gemv.default_config(n, k, device_sms(x), m)
             grid = [
-                gemv.GemvConfig(bn, min(bk, max(16, 1 << (k - 1).bit_length())), w, st, s)
-                for bn, bk, w, st, s in itertools.product(
-                    args.block_n, args.block_k, args.warps, args.stages, args.split_k
+                gemv.GemvConfig(bn, bkk, w, st, s, min(f, bkk))
+                for bn, bk, w, st, s, f in itertools.product(
+                    args.block_n, args.block_k, args.warps, args.stages, args.split_k, args.fold
                 )
+                for bkk in [min(bk, max(16, 1 << (k - 1).bit_length()))]
             ]
             results = []
             for c in [default] + sorted(set(grid) - {default}, key=str):
@@ -86,7 +88,7 @@ def main() -> None:
                 tag = " (default)" if c == default else ""
                 print(
                     f"{name} {n}x{k} m={m} {c.block_n}x{c.block_k} w{c.num_warps} "
-                    f"s{c.num_stages} split{c.split_k}: {us:7.1f} us "
+                    f"s{c.num_stages} split{c.split_k} f{c.k_fold}: {us:7.1f} us "
                     f"{2 * n * k / us / 1e6:5.2f} TB/s{tag}",
                     flush=True,
                 )

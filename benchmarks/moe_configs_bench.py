@@ -4,7 +4,7 @@ batches), as CUDA-graph replays, for the expert shapes of Qwen3-30B-A3B and
 Mixtral-8x7B in bf16. Prints each config's time, the expert bytes it streams per
 microsecond, and its error against the fp32 torch reference.
 
-    python benchmarks/moe_configs_bench.py [--tokens 1 4 8]
+    python benchmarks/moe_configs_bench.py [--tokens 1 4 8] [--fold-block-k 512 1024]
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument(
+        "--fold-block-k", type=int, nargs="*", default=[],
+        help="also each GEMV candidate with this BLOCK_K and k_fold 8 (per value)",
+    )  # fmt: skip
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     for name in args.shapes:
@@ -42,7 +46,14 @@ def main() -> None:
                 x.float(), logits.float(), w13.float(), w2.float(), k, True
             )
             touched = (1 - (1 - k / e) ** t) * e * 3 * h * i * 2  # uniform-routing estimate
-            for cfg in candidate_configs(t, e, h, i, k, dt):
+            configs = candidate_configs(t, e, h, i, k, dt)
+            configs += [
+                {**c, "BLOCK_K": bk, "k_fold": 8}
+                for c in configs
+                if c.get("kernel") == "gemv"
+                for bk in args.fold_block_k
+            ]
+            for cfg in configs:
                 out = fused_moe(x, logits, w13, w2, k, True, config=cfg)
                 err = float((out.float() - ref).norm() / ref.norm())
                 call = functools.partial(fused_moe, x, logits, w13, w2, k, True, config=cfg)

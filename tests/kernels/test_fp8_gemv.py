@@ -22,6 +22,7 @@ CONFIGS = [
     Fp8GemvConfig(4, 256, 2),  # two groups per tile, a masked last tile
     Fp8GemvConfig(16, 1024, 4),  # the whole K in one (masked) tile
     Fp8GemvConfig(8, 128, 4, num_stages=3),  # the K loop pipelined three tiles deep
+    Fp8GemvConfig(4, 256, 2, k_fold=16),  # 16 adjacent columns summed before the partial
 ]
 
 
@@ -39,7 +40,9 @@ def test_fp8_gemv_matches_the_reference(fmt, bias, device):
     assert torch.equal(fp8_gemm.fp8_linear(x, layer, row_stages=3), out)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.num_stages}")
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.num_stages}f{c.k_fold}"
+)
 @pytest.mark.parametrize("fmt", ["block", "block64x128", "channel", "tensor"])
 def test_every_tile_shape_gives_the_reference(fmt, cfg, device):
     layer = make_layer(136, 700, FORMATS[fmt], device=device, seed=3)
@@ -73,6 +76,10 @@ def test_what_the_gemv_takes():
         Fp8GemvConfig(4, 96)
     with pytest.raises(ValueError, match="num_stages must be a positive int"):
         Fp8GemvConfig(4, 128, 4, num_stages=0)
+    with pytest.raises(ValueError, match="k_fold"):
+        Fp8GemvConfig(4, 128, 4, k_fold=256)
+    with pytest.raises(ValueError, match="k_fold"):
+        Fp8GemvConfig(4, 128, 4, k_fold=3)
 
 
 def test_a_non_power_of_two_block_takes_the_gemm(device):

@@ -281,6 +281,18 @@ def test_gemv_path_with_pipelined_k_loops(device):
             fused_moe(x, logits, w13, w2, 2, True, config={**GEMV, key: 0})
 
 
+def test_gemv_path_with_folded_columns(device):
+    """The gate/up kernel summing 8 adjacent columns before its partial tiles (k_fold),
+    over a K tail: the same sums; a fold that is not a power of two <= BLOCK_K is refused."""
+    x, logits, w13, w2 = _moe_inputs(3, 8, 72, 40, device=device, seed=12)
+    folded = {**GEMV, "BLOCK_K": 64, "k_fold": 8}
+    out = fused_moe(x, logits, w13, w2, 2, True, config=folded)
+    assert_close_rel(out, _reference(x, logits, w13, w2, 2, True), torch.float32)
+    for bad in (3, 128):
+        with pytest.raises(ValueError, match="k_fold"):
+            fused_moe(x, logits, w13, w2, 2, True, config={**folded, "k_fold": bad})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_path_dtypes_and_strides(dtype, device):
     x, logits, w13, w2 = _moe_inputs(5, 8, dtype=dtype, device=device, seed=4)

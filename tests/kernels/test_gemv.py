@@ -49,6 +49,7 @@ def test_gemv_matches_reference(dtype, m, with_bias, device):
         GemvConfig(block_n=64, block_k=16, num_warps=2, num_stages=2),
         GemvConfig(block_n=32, block_k=32, split_k=3),  # last split partly masked
         GemvConfig(block_n=256, block_k=16, split_k=16),  # more splits than tiles
+        GemvConfig(block_n=8, block_k=64, k_fold=8),  # one row: 8 columns summed first
     ],
 )
 def test_gemv_configs_and_split_k(dtype, m, config, device):
@@ -99,6 +100,8 @@ def test_gemv_rejects_bad_inputs(device):
         dict(block_n=16, block_k=64, num_warps=3),
         dict(block_n=16, block_k=64, num_stages=0),
         dict(block_n=16, block_k=64, split_k=0),
+        dict(block_n=16, block_k=64, k_fold=3),
+        dict(block_n=16, block_k=64, k_fold=128),
     ):
         with pytest.raises(ValueError):
             GemvConfig(**bad)

@@ -37,6 +37,7 @@ from services.kernels.triton._launch import (
     use_pdl,
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
+from services.kernels.triton.gemv import folded
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
 # a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
@@ -54,9 +55,12 @@ class Fp8GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1  # W tiles in flight per program (cp.async into shared memory)
+    # adjacent columns of a tile summed in registers before they join the fp32 partial
+    # tile: a k_fold-times smaller partial, so a wider W tile fits the same registers
+    k_fold: int = 1
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
+        for name in ("block_n", "block_k", "k_fold"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or not is_pow2(v):
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
@@ -64,6 +68,8 @@ class Fp8GemvConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+        if self.k_fold > self.block_k:
+            raise ValueError(f"k_fold {self.k_fold} exceeds block_k {self.block_k}")
 
 
 def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:
@@ -96,7 +102,7 @@ def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
     if fmt.granularity == "block":
         block_k = max(block_k, fmt.block_k)
         block_n = min(block_n, fmt.block_n)
-    return Fp8GemvConfig(block_n, block_k, cfg.num_warps, cfg.num_stages)
+    return Fp8GemvConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, min(cfg.k_fold, block_k))
 
 
 @triton.jit
@@ -117,7 +123,7 @@ def _fp8_tile(
     part, w, x_ptr, ws_row, stride_wsk, x_scale, k, offs_k, K,
     GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     FP8_MAX_: tl.constexpr, MIN_AMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    BLOCK_K: tl.constexpr, FP8_TY,
+    BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr,
 ):  # fmt: skip
     """part + one K tile's products: x quantized and dequantized, times W's tile."""
     if EVEN_K:
@@ -137,7 +143,7 @@ def _fp8_tile(
         xd = _quantized(x, s_cols, FP8_MAX_, ROUND_IN_FP32, FP8_TY) * s_cols * ws_cols
     else:
         xd = _quantized(x, x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
-    return part + w.to(tl.float32) * xd[None, :]
+    return part + folded(w.to(tl.float32) * xd[None, :], FOLD)
 
 
 @triton.jit
@@ -164,6 +170,7 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FOLD: tl.constexpr,  # Fp8GemvConfig.k_fold
 ):
     fp8_ty = w_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -187,12 +194,12 @@ def _fp8_gemv_kernel(
 
     # (A 3-D [BLOCK_N, G, GROUP] tile without the reshapes measured 3-9% slower on the
     # H200, and prefetching the next W tile into registers spilled.)
-    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    part = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
     k_loop = 0
     if USE_PDL:
         part = _fp8_tile(
             part, w, x_ptr, ws_row, stride_wsk, x_scale, 0, offs_k, K, GRANULARITY, GROUP,
-            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty,
+            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
         )  # fmt: skip
         w_ptrs += BLOCK_K
         k_loop = BLOCK_K
@@ -200,7 +207,7 @@ def _fp8_gemv_kernel(
         w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
         part = _fp8_tile(
             part, w, x_ptr, ws_row, stride_wsk, x_scale, k, offs_k, K, GRANULARITY, GROUP,
-            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty,
+            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
         )  # fmt: skip
         w_ptrs += BLOCK_K
     acc = tl.sum(part, axis=1)
@@ -279,6 +286,7 @@ def fp8_gemv(
         BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
+        FOLD=cfg.k_fold,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )

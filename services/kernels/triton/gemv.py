@@ -47,13 +47,16 @@ _DOT_MIN = 16  # tl.dot needs >= 16 along every dim: rows pad to 16, blocks roun
 class GemvConfig:
     """Launch settings. block_n, block_k: powers of two; for 2..8 rows (the tensor-core
     path) block_n is rounded up to 16. num_stages: W tiles in flight per program (one
-    row: the K loop's cp.async depth, 1 = plain loads)."""
+    row: the K loop's cp.async depth, 1 = plain loads). k_fold (one row): adjacent
+    columns of a tile summed in registers before they join the fp32 partial tile, which
+    is k_fold times smaller, so a wider W tile fits the same registers."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    k_fold: int = 1
 
     def __post_init__(self):
         for name, low in (("block_n", 1), ("block_k", 16)):
@@ -66,6 +69,9 @@ class GemvConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        f = self.k_fold
+        if not isinstance(f, int) or f < 1 or f & (f - 1) or f > self.block_k:
+            raise ValueError(f"k_fold must be a power of two <= block_k, got {f!r}")
 
 
 def default_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:
@@ -114,6 +120,17 @@ def _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def folded(prod, FOLD: tl.constexpr):
+    """prod [rows, cols] with each run of FOLD adjacent columns summed (in registers:
+    a thread's loads hold adjacent columns)."""
+    if FOLD == 1:
+        return prod
+    ROWS: tl.constexpr = prod.shape[0]
+    COLS: tl.constexpr = prod.shape[1]
+    return tl.sum(tl.reshape(prod, [ROWS, COLS // FOLD, FOLD]), axis=2)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -136,6 +153,7 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
     NUM_STAGES: tl.constexpr,  # one row: W tiles in flight (cp.async into shared memory)
     USE_PDL: tl.constexpr,
+    FOLD: tl.constexpr,  # one row: GemvConfig.k_fold
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -154,19 +172,19 @@ def _gemv_kernel(
     if BLOCK_M == 1:
         # One row: elementwise FMAs into an fp32 [BLOCK_N, BLOCK_K] tile and a single
         # reduction after the loop (5-25% faster than a padded tensor-core tile).
-        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        part = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
         k_loop = k_start
         if USE_PDL:  # the first weight tile loads while the previous kernel drains
             w = _load_tile(w_ptrs, k_start, offs_k, k_end, EVEN_K)
             pdl_sync(USE_PDL)
             x = _load_tile(x_ptrs, k_start, offs_k, k_end, EVEN_K)
-            part += w.to(tl.float32) * x.to(tl.float32)
+            part += folded(w.to(tl.float32) * x.to(tl.float32), FOLD)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
             k_loop += BLOCK_K
         for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
             w, x = _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K)
-            part += w.to(tl.float32) * x.to(tl.float32)
+            part += folded(w.to(tl.float32) * x.to(tl.float32), FOLD)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
         acc = tl.sum(part, axis=1)[None, :]
@@ -301,6 +319,7 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
         UPCAST_DOT=upcast,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
+        FOLD=min(cfg.k_fold, block_k) if m == 1 else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

@@ -38,12 +38,15 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
+from services.kernels.triton.gemv import folded
 from services.kernels.triton.moe_align import _route_chunk
 
 GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
 # optional: K tiles in flight in the gate/up and the down kernel's K loops (cp.async
 # into shared memory; 1, the default: plain loads, one tile in flight)
 GEMV_STAGE_KEYS = ("num_stages", "down_num_stages")
+# optional: "k_fold", the gate/up kernel's adjacent columns summed in registers before
+# they join its fp32 partial tiles (gemv.GemvConfig.k_fold): wider K tiles, same registers
 # Beyond this many pairs experts are shared by several tokens, and the tiled kernel
 # reads each expert once where GEMVs would read it per pair.
 GEMV_MAX_PAIRS = 64
@@ -74,6 +77,9 @@ def check_gemv_config(cfg: dict) -> dict:
         stages = cfg.get(key, 1)
         if not isinstance(stages, int) or stages < 1:
             raise ValueError(f"{key} must be a positive int, got {stages!r}")
+    fold = cfg.get("k_fold", 1)
+    if not isinstance(fold, int) or fold < 1 or fold & (fold - 1) or fold > cfg["BLOCK_K"]:
+        raise ValueError(f"k_fold must be a power of two <= BLOCK_K, got {fold!r}")
     return cfg
 
 
@@ -137,7 +143,7 @@ def _gated_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, H, INTER,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)  # the expert comes from the routing kernel: nothing to load before
     pair = tl.program_id(0)
@@ -149,16 +155,16 @@ def _gated_kernel(
     gate_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
     up_ptrs = gate_ptrs + INTER * stride_wn
     x_row = x_ptr + token * stride_xt
-    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    gate = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
         x = tl.load(x_row + offs_k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
         wg = tl.load(gate_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
         wu = tl.load(up_ptrs + offs_k[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
-        gate += wg.to(tl.float32) * x[None, :]
-        up += wu.to(tl.float32) * x[None, :]
+        gate += folded(wg.to(tl.float32) * x[None, :], FOLD)
+        up += folded(wu.to(tl.float32) * x[None, :], FOLD)
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -230,7 +236,7 @@ def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, con
         x, w13, act, ids, h, inter, x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg.get("num_stages", 1),
-        num_warps=warps, USE_PDL=pdl, launch_pdl=pdl,
+        FOLD=min(cfg.get("k_fold", 1), block_k), num_warps=warps, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     # one output row per program, whatever the gate/up tile (H200: best or within 2%
