@@ -30,11 +30,13 @@ class TritonBackend:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
 
     def linear(self, x, layer, config=None):
-        # config: {"row_stages": S}, the one-row GEMV's K-loop depth the tuner measured
-        # fastest here (the kernel's default if None)
+        # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps]]}, the one-row GEMV's
+        # K-loop depth and tile the tuner measured fastest here (the defaults if None)
         row_stages = None if config is None else config["row_stages"]
+        fold = None if config is None else config.get("row_fold")
+        row_fold = None if fold is None else tuple(map(int, fold))
         if fp8_format_of(layer) is not None:  # FP8 weights: our block/channel-scaled GEMM
-            return tk.fp8_linear(x, layer, row_stages)
+            return tk.fp8_linear(x, layer, row_stages, row_fold)
         # cuBLAS beats Triton GEMMs on the H200 (docs/performance.md), but its GEMV for a few
         # rows streams the weight well below peak bandwidth: decode-sized batches take
         # our own GEMV, larger ones stay on cuBLAS.
@@ -42,7 +44,9 @@ class TritonBackend:
         rows = x.numel() // k if k else 0
         same_dtype = x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
         if 0 < rows <= GEMV_MAX_ROWS and same_dtype and weight.is_contiguous():
-            out = tk.gemv(x.reshape(rows, k), weight, layer.bias, row_stages=row_stages)
+            out = tk.gemv(
+                x.reshape(rows, k), weight, layer.bias, row_stages=row_stages, row_fold=row_fold
+            )
             return out.view(*x.shape[:-1], weight.shape[0])
         return torch.nn.functional.linear(x, weight, layer.bias)
 

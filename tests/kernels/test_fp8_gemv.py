@@ -38,6 +38,8 @@ def test_fp8_gemv_matches_the_reference(fmt, bias, device):
     # the triton backend's FP8 forward sends one row here, at the tuner's K-loop depth
     assert torch.equal(fp8_gemm.fp8_linear(x, layer), out)
     assert torch.equal(fp8_gemm.fp8_linear(x, layer, row_stages=3), out)
+    folded = fp8_gemm.fp8_linear(x, layer, row_fold=(256, 16, 2))  # the tuner's other tile
+    assert rel_err(folded, fp8_linear_reference(x, layer)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize(

@@ -158,15 +158,23 @@ def test_triton_backend_linear(dtype, device, monkeypatch):
 
     x1 = _randn(1, 1, K, dtype=dtype, device=device, seed=52)  # leading dims kept
     out = backend.linear(x1, layer)
-    assert out.shape == (1, 1, N) and out.dtype == dtype and calls == [{"row_stages": None}]
+    assert (
+        out.shape == (1, 1, N)
+        and out.dtype == dtype
+        and calls == [{"row_stages": None, "row_fold": None}]
+    )
     assert_close_rel(out, _reference(x1, layer.weight, layer.bias), dtype)
     # the tuner's K-loop depth for one row reaches the kernel; the same sums
     assert torch.equal(backend.linear(x1, layer, config={"row_stages": 3}), out)
-    assert calls[-1] == {"row_stages": 3}
+    assert calls[-1] == {"row_stages": 3, "row_fold": None}
+    # ...and its folded tile, as the tuner's JSON cache gives it back (a list)
+    folded = backend.linear(x1, layer, config={"row_stages": 1, "row_fold": [64, 8, 2]})
+    assert_close_rel(folded, out, dtype)
+    assert calls[-1] == {"row_stages": 1, "row_fold": (64, 8, 2)}
 
     x16 = _randn(16, K, dtype=dtype, device=device, seed=53)  # past 8 rows: cuBLAS
     assert torch.equal(backend.linear(x16, layer), F.linear(x16, layer.weight, layer.bias))
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_row_stages_deepen_one_rows_k_loop_only(device, monkeypatch):
@@ -182,8 +190,13 @@ def test_row_stages_deepen_one_rows_k_loop_only(device, monkeypatch):
     for m in (1, 5):
         x = _randn(m, K, dtype=torch.float32, device=device, seed=55)
         assert torch.equal(gemv(x, w, row_stages=4), gemv(x, w))
-    assert launched[0].num_stages == 4 and launched[1].num_stages != 4  # one row
-    assert launched[2].num_stages == launched[3].num_stages  # five rows: untouched
+        assert_close_rel(gemv(x, w, row_fold=(64, 8, 2)), gemv(x, w), torch.float32)
+    one, five = launched[:4], launched[4:]
+    assert one[0].num_stages == 4 and one[1].num_stages != 4  # one row
+    assert (one[2].block_k, one[2].k_fold, one[2].num_warps) == (64, 8, 2)
+    assert one[3].k_fold == 1
+    assert five[0].num_stages == five[1].num_stages  # five rows: untouched
+    assert five[2] == five[3]
 
 
 # ---- Llama-3-8B projections on a GPU -------------------------------------------------

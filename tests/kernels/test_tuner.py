@@ -215,18 +215,21 @@ def test_tuned_backend_passes_the_tuned_row_stages(candidates):
 
 
 def test_one_row_gemvs_tune_their_k_loop_depth_on_a_gpu():
-    """A GPU times the one-row GEMV (linear, fp8_linear) at each K-loop depth at
-    decode1 only (more rows run other kernels); a CPU (the interpreter) its default."""
-    from services.kernels.tuner import ROW_STAGES, _launch_configs, config_label
+    """A GPU times the one-row GEMV (linear, fp8_linear) at each K-loop depth and with
+    a folded tile at decode1 only (more rows run other kernels); a CPU (the
+    interpreter) its default."""
+    from services.kernels.tuner import ROW_FOLDS, ROW_STAGES, _launch_configs, config_label
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert 1 in ROW_STAGES and len(ROW_STAGES) > 1  # today's plain loads stay a candidate
     for op in ("linear", "fp8_linear"):
         got = _launch_configs(op, "decode1", SHAPES, None, cuda, {})
-        assert got == [{"row_stages": s} for s in ROW_STAGES]
+        folded = {"row_stages": 1, "row_fold": ROW_FOLDS[op]}
+        assert got == [{"row_stages": s} for s in ROW_STAGES] + [folded]
         assert _launch_configs(op, "decode8", SHAPES, None, cuda, {}) == [None]
         assert _launch_configs(op, "decode1", SHAPES, None, cpu, {}) == [None]
     assert config_label({"row_stages": 3}) == "gemv s3"
+    assert config_label({"row_stages": 1, "row_fold": [2048, 8, 4]}) == "gemv s1 k2048f8w4"
     moe = {"kernel": "gemv", "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}
     assert config_label(moe) == "gemv 8x256 w4"
     assert config_label({**moe, "num_stages": 3, "down_num_stages": 2}) == "gemv 8x256 w4 s3 ds2"

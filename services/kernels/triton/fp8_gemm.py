@@ -292,10 +292,12 @@ def fp8_gemm(
     return out
 
 
-def fp8_linear(x: torch.Tensor, layer, row_stages: int | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, layer, row_stages: int | None = None, row_fold: tuple | None = None
+) -> torch.Tensor:
     """An Fp8Linear's forward: one row through the fused FP8 GEMV (fp8_gemv.py), more
-    rows quantized as the format says, then the FP8 GEMM. row_stages: the GEMV's K-loop
-    depth (the kernel tuner's pick), for one row."""
+    rows quantized as the format says, then the FP8 GEMM. row_stages, row_fold: the
+    GEMV's K-loop depth and (block_k, k_fold, num_warps) (the tuner's picks), for one row."""
 
     fmt = layer.fp8_format
     k = x.shape[-1]
@@ -303,8 +305,9 @@ def fp8_linear(x: torch.Tensor, layer, row_stages: int | None = None) -> torch.T
     weight = layer.weight
     if fp8_gemv.supports(x2.shape[0], fmt, weight):  # a decode row: one fused launch
         out = fp8_gemv.fp8_gemv(
-            x2, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages
-        )
+            x2, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages,
+            fold=row_fold,
+        )  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
     xq, xs = quantize_activation(x2, fmt.act_group(k), weight.dtype)
     if weight.stride(1) != 1:

@@ -260,11 +260,13 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     row_stages: int | None = None,
+    row_fold: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(x, weight, bias) for x [M <= 8, K] (any strides) and a
     row-major weight [N, K]; fp32 accumulation, output [M, N] in x's dtype. row_stages:
     for one row, the K loop's depth in place of the config's (the kernel tuner's pick
-    for this GPU); more rows take their tensor-core path's own."""
+    for this GPU); more rows take their tensor-core path's own. row_fold: (block_k,
+    k_fold, num_warps) for one row in place of the config's, likewise."""
     _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -282,6 +284,8 @@ def gemv(
         )
     if row_stages is not None and m == 1:
         config = replace(config, num_stages=row_stages)
+    if row_fold is not None and m == 1:
+        config = replace(config, block_k=row_fold[0], k_fold=row_fold[1], num_warps=row_fold[2])
     _launch(x, weight, bias, out, config)
     return out
 
