@@ -1,11 +1,38 @@
-"""The committed generated code must match the .proto files (`make proto`)."""
+"""The committed generated code must match the .proto files (`make proto`), and the
+package's dependency floors must admit only runtimes that code accepts."""
+
+import re
+import tomllib
+from pathlib import Path
 
 from scripts import gen_proto
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_code_is_fresh():
     stale = gen_proto.check()
     assert not stale, f"stale generated files, run `make proto`: {stale}"
+
+
+def _floor(deps: list[str], name: str) -> tuple[int, ...]:
+    spec = next(d for d in deps if re.match(rf"{re.escape(name)}\s*>=", d))
+    return tuple(int(p) for p in spec.split(">=")[1].split(",")[0].strip().split("."))
+
+
+def test_dependency_floors_admit_only_runtimes_the_stubs_accept():
+    """The stubs refuse, at import, a grpcio older than the grpcio-tools that generated
+    them and a protobuf older than their gencode: pyproject's floors must be no lower
+    (grpcio 1.85.0 passed `grpcio>=1.85` and then failed at import)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    stub = (ROOT / "proto/pdpb/v1/decode_pb2_grpc.py").read_text()
+    grpc_gen = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", stub).group(1)
+    gencode = (ROOT / "proto/pdpb/v1/decode_pb2.py").read_text()
+    m = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),", gencode)
+    grpc_need = tuple(int(p) for p in grpc_gen.split("."))
+    assert _floor(deps, "grpcio") >= grpc_need, grpc_gen
+    assert _floor(deps, "grpcio-health-checking") >= grpc_need, grpc_gen
+    assert _floor(deps, "protobuf") >= tuple(int(g) for g in m.groups()), m.groups()
 
 
 def test_enums_start_with_unspecified():
