@@ -34,9 +34,14 @@ def start_worker(role: str, *args: str, model: str) -> Child:
     """A worker process on a free port, ready to serve."""
     cmd = [*PDSERVE, role, "--model", model, "--port", "0", *args]
     worker = Child(role, cmd, env={**os.environ, "GLOG_minloglevel": "2"}, echo=False)
-    if not worker.ready.wait(300):
-        worker.stop(10)
-        raise RuntimeError(f"the {role} worker did not become ready")
+    deadline = time.monotonic() + 300
+    while not worker.ready.wait(0.5):  # not the whole wait for one that already exited
+        if worker.proc.poll() is not None or time.monotonic() > deadline:
+            worker.stop(10)
+            raise RuntimeError(
+                f"the {role} worker did not become ready; its last output:\n"
+                + "".join(worker.recent)
+            )
     return worker
 
 

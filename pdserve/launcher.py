@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 PDSERVE = [sys.executable, "-m", "pdserve"]
@@ -31,7 +32,8 @@ STABLE_S = 60.0  # a worker ready this long before it died starts over at BACKOF
 
 class Child:
     """A pdserve process; its `PDSERVE {...}` announce lines give its address and
-    readiness. echo: copy its output to ours, each line prefixed with its name."""
+    readiness. echo: copy its output to ours, each line prefixed with its name;
+    `recent` keeps its last lines either way (what to show when it fails to start)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], echo: bool = True):
         self.name = name
@@ -48,6 +50,7 @@ class Child:
         self.ready = threading.Event()
         self.ready_at: float | None = None  # time.monotonic() of its ready line
         self._group_killed = False
+        self.recent: deque[str] = deque(maxlen=40)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -67,6 +70,7 @@ class Child:
                             flush=True,
                         )
                     continue  # the full event (warm-up shapes) is too long to echo
+            self.recent.append(line)
             if self.echo:
                 sys.stdout.write(f"[{self.name}] {line}")
                 sys.stdout.flush()

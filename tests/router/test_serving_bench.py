@@ -5,6 +5,9 @@ several pooled."""
 from __future__ import annotations
 
 import asyncio
+import time
+
+import pytest
 
 # pair and router: test_integration's fixtures (a worker pair, a router in front)
 from tests.router.test_integration import SERVED, assert_all_blocks_free, pair, router  # noqa: F401
@@ -88,3 +91,15 @@ def test_router_overhead_clients_pool_every_path(router, pair):  # noqa: F811
         s = summarize(results)
         assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and s["itl_p50_ms"] > 0, name
     assert_all_blocks_free(pair)
+
+
+def test_router_overhead_shows_why_a_worker_did_not_start(tmp_path):
+    """A worker that exits before it is ready ends the benchmark's wait at once, with
+    the worker's own last lines in the error (the output is not echoed otherwise)."""
+    from benchmarks.router_overhead import start_worker
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not become ready") as err:
+        start_worker("decode", "--no-such-flag", model=str(tmp_path))
+    assert "--no-such-flag" in str(err.value)  # argparse's complaint, from the worker
+    assert time.monotonic() - start < 60  # not the 300 s readiness limit
