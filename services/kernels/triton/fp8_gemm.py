@@ -293,7 +293,10 @@ def fp8_gemm(
 
 
 def fp8_linear(
-    x: torch.Tensor, layer, row_stages: int | None = None, row_fold: tuple | None = None
+    x: torch.Tensor,
+    layer,
+    row_stages: int | None = None,
+    row_fold: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """An Fp8Linear's forward: one row through the fused FP8 GEMV (fp8_gemv.py), more
     rows quantized as the format says, then the FP8 GEMM. row_stages, row_fold: the

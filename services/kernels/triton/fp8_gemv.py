@@ -37,7 +37,7 @@ from services.kernels.triton._launch import (
     use_pdl,
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
-from services.kernels.triton.gemv import folded
+from services.kernels.triton.gemv import check_k_fold, folded
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
 # a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
@@ -60,7 +60,7 @@ class Fp8GemvConfig:
     k_fold: int = 1
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "k_fold"):
+        for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or not is_pow2(v):
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
@@ -68,8 +68,7 @@ class Fp8GemvConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
-        if self.k_fold > self.block_k:
-            raise ValueError(f"k_fold {self.k_fold} exceeds block_k {self.block_k}")
+        check_k_fold(self.k_fold, self.block_k)
 
 
 def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:

@@ -69,9 +69,14 @@ class GemvConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        f = self.k_fold
-        if not isinstance(f, int) or f < 1 or f & (f - 1) or f > self.block_k:
-            raise ValueError(f"k_fold must be a power of two <= block_k, got {f!r}")
+        check_k_fold(self.k_fold, self.block_k)
+
+
+def check_k_fold(k_fold, block_k: int) -> None:
+    """A fold (GemvConfig, Fp8GemvConfig, the MoE GEMV config) splits a tile's columns
+    into equal runs: a power of two no wider than the tile."""
+    if not isinstance(k_fold, int) or k_fold < 1 or k_fold & (k_fold - 1) or k_fold > block_k:
+        raise ValueError(f"k_fold must be a power of two <= block_k ({block_k}), got {k_fold!r}")
 
 
 def default_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:

@@ -38,7 +38,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
-from services.kernels.triton.gemv import folded
+from services.kernels.triton.gemv import check_k_fold, folded
 from services.kernels.triton.moe_align import _route_chunk
 
 GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
@@ -77,9 +77,7 @@ def check_gemv_config(cfg: dict) -> dict:
         stages = cfg.get(key, 1)
         if not isinstance(stages, int) or stages < 1:
             raise ValueError(f"{key} must be a positive int, got {stages!r}")
-    fold = cfg.get("k_fold", 1)
-    if not isinstance(fold, int) or fold < 1 or fold & (fold - 1) or fold > cfg["BLOCK_K"]:
-        raise ValueError(f"k_fold must be a power of two <= BLOCK_K, got {fold!r}")
+    check_k_fold(cfg.get("k_fold", 1), cfg["BLOCK_K"])
     return cfg
 
 
