@@ -13,6 +13,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,19 +31,36 @@ from pdserve.launcher import PDSERVE, Child
 from router.mux import DecodeMux
 
 
-def start_worker(role: str, *args: str, model: str) -> Child:
-    """A worker process on a free port, ready to serve."""
+def start_worker(role: str, *args: str, model: str, ready_timeout: float = 300) -> Child:
+    """A worker process on a free port, ready to serve. One that exits, outlasts
+    ready_timeout or is interrupted while starting (Ctrl-C, or SIGTERM from `timeout`:
+    main() turns it into KeyboardInterrupt) is stopped, and its last output shown."""
     cmd = [*PDSERVE, role, "--model", model, "--port", "0", *args]
     worker = Child(role, cmd, env={**os.environ, "GLOG_minloglevel": "2"}, echo=False)
-    deadline = time.monotonic() + 300
-    while not worker.ready.wait(0.5):  # not the whole wait for one that already exited
-        if worker.proc.poll() is not None or time.monotonic() > deadline:
-            worker.stop(10)
-            raise RuntimeError(
-                f"the {role} worker did not become ready; its last output:\n"
-                + "".join(worker.recent)
-            )
-    return worker
+    started = time.monotonic()
+    try:
+        while not worker.ready.wait(0.5):  # not the whole wait for one that already exited
+            if worker.proc.poll() is not None or time.monotonic() - started > ready_timeout:
+                break
+        else:
+            return worker
+    except BaseException:  # interrupted: say where the start had got to, then unwind
+        worker.stop(10)
+        print(_not_ready(worker, started), file=sys.stderr, flush=True)
+        raise
+    worker.stop(10)
+    raise RuntimeError(_not_ready(worker, started))
+
+
+def _not_ready(worker: Child, started: float) -> str:
+    return (
+        f"the {worker.name} worker did not become ready in {time.monotonic() - started:.0f} s;"
+        " its last output:\n" + "".join(worker.recent)
+    )
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pct(values, q):
@@ -224,17 +242,37 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="both workers' device (e.g. cuda:0)")
     ap.add_argument("--api-server-count", type=int, default=1, help="the router's processes")
     ap.add_argument(
+        "--ready-timeout", type=float, default=300, help="seconds a worker may take to start"
+    )
+    ap.add_argument(
         "--worker-args",
         default="",
         help="more worker flags, one string (e.g. '--kernel-backend triton')",
     )
     args = ap.parse_args()
+    # SIGTERM (`timeout`, a job runner) unwinds like Ctrl-C: the workers, in sessions of
+    # their own, would otherwise outlive this process and hold the GPU.
+    signal.signal(signal.SIGTERM, _interrupt)
     model = args.model or str(default_model_dir())
     seqs = str(max(args.concurrency))
     common = ("--max-num-seqs", seqs, "--load-format", args.load_format, "--device", args.device)
     common += tuple(args.worker_args.split())
-    prefill = start_worker("prefill", *common, model=model)
-    decode = start_worker("decode", *common, "--num-kv-blocks", "8192", model=model)
+    workers: list[Child] = []  # stopped on the way out, however that comes
+    try:
+        measure(args, model, common, workers)
+    finally:
+        for w in workers:
+            w.stop(30)
+
+
+def measure(args, model: str, common: tuple[str, ...], workers: list[Child]) -> None:
+    wait = args.ready_timeout
+    prefill = start_worker("prefill", *common, model=model, ready_timeout=wait)
+    workers.append(prefill)
+    decode = start_worker(
+        "decode", *common, "--num-kv-blocks", "8192", model=model, ready_timeout=wait
+    )
+    workers.append(decode)
     router = subprocess.Popen(
         [
             *PDSERVE,
@@ -296,8 +334,6 @@ def main() -> None:
     finally:
         router.terminate()
         router.wait(30)
-        prefill.stop(30)
-        decode.stop(30)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ several pooled."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -103,3 +107,38 @@ def test_router_overhead_shows_why_a_worker_did_not_start(tmp_path):
         start_worker("decode", "--no-such-flag", model=str(tmp_path))
     assert "--no-such-flag" in str(err.value)  # argparse's complaint, from the worker
     assert time.monotonic() - start < 60  # not the 300 s readiness limit
+
+
+def _pids_with(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def test_router_overhead_stops_its_workers_on_sigterm():
+    """`timeout` ends the benchmark with SIGTERM while a worker starts: the worker, in a
+    session of its own, is stopped too (it used to outlive the benchmark and hold the
+    GPU), and where its start had got to is printed."""
+    marker = "4321"  # the benchmark passes --max-num-seqs <largest concurrency>
+    bench = subprocess.Popen(
+        [sys.executable, "benchmarks/router_overhead.py", "--concurrency", marker],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (workers := [p for p in _pids_with(marker) if p != bench.pid]):
+        assert bench.poll() is None and time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=60)
+    assert "prefill worker did not become ready" in err
+    deadline = time.monotonic() + 15
+    while set(workers) & set(_pids_with(marker)):
+        assert time.monotonic() < deadline, f"worker {workers} outlived the benchmark"
+        time.sleep(0.1)
