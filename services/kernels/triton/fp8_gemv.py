@@ -10,7 +10,8 @@ the activation quantization is fused in, so the layer is one launch instead of t
 
 - block weights: each K tile covers whole 128-column activation groups (BLOCK_K is a
   multiple of block_k); a program computes the groups' amax from x (16 KB at most,
-  read from L2), quantizes and dequantizes x exactly as the reference does (div_rn, an
+  read from L2), quantizes and dequantizes x exactly as the reference does (a correctly
+  rounded quotient from the group's reciprocal, fp8_round.quantize_e4m3_by; an
   RNE cast to e4m3), and folds in the weight's block scale for the tile's groups. All
   BLOCK_N rows share one scale row because BLOCK_N divides block_n.
 - channel / tensor weights: one activation scale for the whole row, from an amax pass
@@ -36,7 +37,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
-from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3
+from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by
 from services.kernels.triton.gemv import check_k_fold, folded
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
@@ -106,9 +107,11 @@ def _fit(cfg: Fp8GemvConfig, k: int, fmt: Fp8Format) -> Fp8GemvConfig:
 
 
 @triton.jit
-def _quantized(x, scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FP8_TY):
-    """x / scale rounded onto the e4m3 grid, as fp32 (the reference's quantize step)."""
-    return quantize_e4m3(x, scale, FP8_MAX_, ROUND_IN_FP32).to(FP8_TY).to(tl.float32)
+def _quantized(x, scale, inv_scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FP8_TY):
+    """x / scale rounded onto the e4m3 grid, as fp32 (the reference's quantize step;
+    inv_scale = 1 / scale, correctly rounded, makes it cheap: quantize_e4m3_by)."""
+    q = quantize_e4m3_by(x, scale, inv_scale, FP8_MAX_, ROUND_IN_FP32)
+    return q.to(FP8_TY).to(tl.float32)
 
 
 @triton.jit
@@ -120,29 +123,35 @@ def _load_w(w_ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _fp8_tile(
-    part, w, x_ptr, ws_row, stride_wsk, x_scale, k, offs_k, K,
+    part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
     GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     FP8_MAX_: tl.constexpr, MIN_AMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr,
 ):  # fmt: skip
     """part + one K tile's products: x quantized and dequantized, times W's tile."""
-    if EVEN_K:
-        x = tl.load(x_ptr + k + offs_k).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0).to(tl.float32)
     if GRANULARITY == 0:
-        # per 128-column group: the activation scale, and the weight's block scale
+        # per 128-column group: the activation scale, and the weight's block scale; x
+        # is read as [groups, GROUP] so the scales need no reshapes, one at the end
         G: tl.constexpr = BLOCK_K // GROUP
         offs_g = tl.arange(0, G)
-        group_amax = tl.max(tl.reshape(tl.abs(x), [G, GROUP]), axis=1)
-        s = activation_scale(group_amax, MIN_AMAX, FP8_MAX_)
+        cols = k + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        if EVEN_K:
+            x2 = tl.load(x_ptr + cols).to(tl.float32)
+        else:
+            x2 = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        s = activation_scale(tl.max(tl.abs(x2), axis=1), MIN_AMAX, FP8_MAX_)
+        inv_s = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         g_idx = k // GROUP + offs_g
         ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_idx * GROUP < K, other=0.0)
-        s_cols = tl.reshape(tl.broadcast_to(s[:, None], [G, GROUP]), [BLOCK_K])
-        ws_cols = tl.reshape(tl.broadcast_to(ws[:, None], [G, GROUP]), [BLOCK_K])
-        xd = _quantized(x, s_cols, FP8_MAX_, ROUND_IN_FP32, FP8_TY) * s_cols * ws_cols
+        q = _quantized(x2, s[:, None], inv_s[:, None], FP8_MAX_, ROUND_IN_FP32, FP8_TY)
+        xd2 = q * (s * ws)[:, None]
+        xd = tl.reshape(xd2, [BLOCK_K])
     else:
-        xd = _quantized(x, x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
+        if EVEN_K:
+            x = tl.load(x_ptr + k + offs_k).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0).to(tl.float32)
+        xd = _quantized(x, x_scale, inv_x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
     return part + folded(w.to(tl.float32) * xd[None, :], FOLD)
 
 
@@ -185,12 +194,14 @@ def _fp8_gemv_kernel(
         pdl_sync(USE_PDL)
 
     x_scale = 1.0
+    inv_x_scale = 1.0
     if GRANULARITY != 0:  # one activation scale per row: amax over all of K first
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         x_scale = activation_scale(tl.max(amax, axis=0), MIN_AMAX, FP8_MAX_)
+        inv_x_scale = tl.math.div_rn(1.0, x_scale)
 
     # (A 3-D [BLOCK_N, G, GROUP] tile without the reshapes measured 3-9% slower on the
     # H200, and prefetching the next W tile into registers spilled.)
@@ -198,16 +209,16 @@ def _fp8_gemv_kernel(
     k_loop = 0
     if USE_PDL:
         part = _fp8_tile(
-            part, w, x_ptr, ws_row, stride_wsk, x_scale, 0, offs_k, K, GRANULARITY, GROUP,
-            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
+            part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, 0, offs_k, K,
+            GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
         )  # fmt: skip
         w_ptrs += BLOCK_K
         k_loop = BLOCK_K
     for k in tl.range(k_loop, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
         part = _fp8_tile(
-            part, w, x_ptr, ws_row, stride_wsk, x_scale, k, offs_k, K, GRANULARITY, GROUP,
-            EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
+            part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
+            GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
         )  # fmt: skip
         w_ptrs += BLOCK_K
     acc = tl.sum(part, axis=1)
@@ -236,12 +247,12 @@ def fp8_gemv(
     """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch.
     num_stages: the K loop's depth in place of the config's (the kernel tuner's pick);
     fold: (block_k, k_fold, num_warps) in place of the config's, likewise."""
-    check_device(_fp8_gemv_kernel, x, weight)
-    if not supports(x.shape[0], fmt, weight):
+    if not supports(x.shape[0], fmt, weight):  # before the device: a shape error reads first
         raise ValueError(
             f"fp8_gemv takes one row and a row-major weight with power-of-two blocks; got "
             f"x {tuple(x.shape)}, weight strides {weight.stride()}, {fmt}"
         )
+    check_device(_fp8_gemv_kernel, x, weight)
     k = x.shape[1]
     n = weight.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
