@@ -16,6 +16,7 @@ same call with the same host lists; only rank 0 samples."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 import torch
@@ -159,6 +160,10 @@ class ModelRunner:
         the smallest over the ranks (they hold equal shares, so the smallest decides)."""
         asked = self.config.kv_cache_memory_gb
         if self.device.type == "cuda":
+            # an engine this process dropped (a test's eager twin, an LLM made again) may
+            # still sit in torch's cache, which the driver counts as used
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int((free - (2 << 30)) * 0.9)
             if asked is not None:
