@@ -222,7 +222,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=0,
-        help="waves per concurrency (default: enough for ~64 requests, at least 2)",
+        help="waves per concurrency (default: 64 at one stream, else ~512 requests and at "
+        "least 2: a 64-stream wave's prefills batch differently each time)",
     )
     ap.add_argument(
         "--clients",
@@ -307,7 +308,7 @@ def measure(args, model: str, common: tuple[str, ...], workers: list[Child]) -> 
         print("| streams | path | TTFT p50 | TTFT p99 | per token p50 | per token p99 |")
         print("|---|---|---|---|---|---|")
         for n in args.concurrency:
-            rounds = args.rounds or max(2, 64 // n)
+            rounds = args.rounds or (64 if n == 1 else max(2, 512 // n))
             cpu0, _ = tree_cpu_s(router.pid)
             if args.clients > 1:
                 raw = run_clients(
