@@ -30,7 +30,7 @@ class TritonBackend:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
 
     def linear(self, x, layer, config=None):
-        # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps]]}, the one-row GEMV's
+        # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
         # K-loop depth and tile the tuner measured fastest here (the defaults if None)
         row_stages = None if config is None else config["row_stages"]
         fold = None if config is None else config.get("row_fold")

@@ -49,7 +49,7 @@ from services.kernels.tuner_cases import run_case
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 12  # 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 13  # 13: a 16-row FP8 one-row tile; 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 # A CPU candidate whose first timed call takes this many times the best so far is
@@ -149,6 +149,7 @@ def config_label(cfg: dict) -> str:
     if "row_stages" in cfg:  # a one-row GEMV's K-loop depth and tile (linear, fp8_linear)
         fold = cfg.get("row_fold")
         tile = "" if fold is None else f" k{fold[0]}f{fold[1]}w{fold[2]}"
+        tile += f" n{fold[3]}" if fold is not None and len(fold) == 4 else ""
         return f"gemv s{cfg['row_stages']}{tile}"
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
@@ -367,14 +368,14 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
 
 # One decode row's GEMV (linear, fp8_linear): its K loop plain or pipelined this deep
 ROW_STAGES = (1, 3)
-# ...and another [block_k, k_fold, warps] tile (H100 sweep, docs/performance.md): bf16
-# 2048 x 8 (2.5-6.5% faster on Llama-3-8B); FP8 1024 x 16 beside its 2048 x 16 default
-ROW_FOLDS = {"linear": [2048, 8, 4], "fp8_linear": [1024, 16, 4]}
+# ...and [block_k, k_fold, warps[, block_n]] tiles (H100 sweeps, docs/performance.md): bf16
+# 2048 x 8; FP8 1024 x 16, and 16 rows (x's quantization shared by twice the rows)
+ROW_FOLDS = {"linear": ([2048, 8, 4],), "fp8_linear": ([1024, 16, 4], [2048, 16, 4, 16])}
 
 
 def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[dict | None]:
     """The launch settings timed for a TUNED_CONFIG_CANDIDATES kernel. Linears: on a
-    GPU at decode1 the one-row GEMV at each of ROW_STAGES and with ROW_FOLDS' tile;
+    GPU at decode1 the one-row GEMV at each of ROW_STAGES and with ROW_FOLDS' tiles;
     elsewhere None (the kernel's own defaults). fused_moe: pdserve's own kernel, the
     neighbourhood of its default (candidate_configs) on a GPU. Other kernels of the
     op (aiter's): the default and the best so far, not a sweep of their own (each
@@ -383,8 +384,8 @@ def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[d
     if op in ("linear", "fp8_linear"):
         if device.type != "cuda" or cls != "decode1":
             return [None]
-        folded = {"row_stages": 1, "row_fold": ROW_FOLDS[op]}
-        return [{"row_stages": s} for s in ROW_STAGES] + [folded]
+        folded = [{"row_stages": 1, "row_fold": tile} for tile in ROW_FOLDS[op]]
+        return [{"row_stages": s} for s in ROW_STAGES] + folded
     # lazy: triton is an optional, heavy import
     from services.kernels.triton.moe_config import candidate_configs, default_config
 

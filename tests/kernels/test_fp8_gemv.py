@@ -40,6 +40,8 @@ def test_fp8_gemv_matches_the_reference(fmt, bias, device):
     assert torch.equal(fp8_gemm.fp8_linear(x, layer, row_stages=3), out)
     folded = fp8_gemm.fp8_linear(x, layer, row_fold=(256, 16, 2))  # the tuner's other tile
     assert rel_err(folded, fp8_linear_reference(x, layer)) < TOL[torch.float32]
+    rows16 = fp8_gemm.fp8_linear(x, layer, row_fold=(256, 16, 2, 16))  # ...with 16 rows
+    assert rel_err(rows16, fp8_linear_reference(x, layer)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize(

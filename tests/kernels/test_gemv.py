@@ -197,6 +197,11 @@ def test_row_stages_deepen_one_rows_k_loop_only(device, monkeypatch):
     assert one[3].k_fold == 1
     assert five[0].num_stages == five[1].num_stages  # five rows: untouched
     assert five[2] == five[3]
+    x = _randn(1, K, dtype=torch.float32, device=device, seed=56)
+    assert_close_rel(gemv(x, w, row_fold=(64, 8, 2, 16)), gemv(x, w), torch.float32)
+    assert launched[-2].block_n == 16  # the optional fourth: rows per program
+    with pytest.raises(ValueError, match="row_fold is"):
+        gemv(x, w, row_fold=(64, 8))
 
 
 # ---- Llama-3-8B projections on a GPU -------------------------------------------------

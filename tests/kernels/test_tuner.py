@@ -224,12 +224,15 @@ def test_one_row_gemvs_tune_their_k_loop_depth_on_a_gpu():
     assert 1 in ROW_STAGES and len(ROW_STAGES) > 1  # today's plain loads stay a candidate
     for op in ("linear", "fp8_linear"):
         got = _launch_configs(op, "decode1", SHAPES, None, cuda, {})
-        folded = {"row_stages": 1, "row_fold": ROW_FOLDS[op]}
-        assert got == [{"row_stages": s} for s in ROW_STAGES] + [folded]
+        folded = [{"row_stages": 1, "row_fold": tile} for tile in ROW_FOLDS[op]]
+        assert got == [{"row_stages": s} for s in ROW_STAGES] + folded
         assert _launch_configs(op, "decode8", SHAPES, None, cuda, {}) == [None]
         assert _launch_configs(op, "decode1", SHAPES, None, cpu, {}) == [None]
     assert config_label({"row_stages": 3}) == "gemv s3"
     assert config_label({"row_stages": 1, "row_fold": [2048, 8, 4]}) == "gemv s1 k2048f8w4"
+    sixteen = {"row_stages": 1, "row_fold": [2048, 16, 4, 16]}
+    assert config_label(sixteen) == "gemv s1 k2048f16w4 n16"
+    assert any(len(t) == 4 for t in ROW_FOLDS["fp8_linear"])  # 16 rows share x's quantization
     moe = {"kernel": "gemv", "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}
     assert config_label(moe) == "gemv 8x256 w4"
     assert config_label({**moe, "num_stages": 3, "down_num_stages": 2}) == "gemv 8x256 w4 s3 ds2"

@@ -296,11 +296,12 @@ def fp8_linear(
     x: torch.Tensor,
     layer,
     row_stages: int | None = None,
-    row_fold: tuple[int, int, int] | None = None,
+    row_fold: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """An Fp8Linear's forward: one row through the fused FP8 GEMV (fp8_gemv.py), more
     rows quantized as the format says, then the FP8 GEMM. row_stages, row_fold: the
-    GEMV's K-loop depth and (block_k, k_fold, num_warps) (the tuner's picks), for one row."""
+    GEMV's K-loop depth and (block_k, k_fold, num_warps[, block_n]) (the tuner's picks), for
+    one row."""
 
     fmt = layer.fp8_format
     k = x.shape[-1]

@@ -38,7 +38,7 @@ from services.kernels.triton._launch import (
     use_pdl,
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by
-from services.kernels.triton.gemv import check_k_fold, folded
+from services.kernels.triton.gemv import check_k_fold, folded, with_row_fold
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
 # a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
@@ -242,11 +242,11 @@ def fp8_gemv(
     *,
     config: Fp8GemvConfig | None = None,
     num_stages: int | None = None,
-    fold: tuple[int, int, int] | None = None,
+    fold: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch.
     num_stages: the K loop's depth in place of the config's (the kernel tuner's pick);
-    fold: (block_k, k_fold, num_warps) in place of the config's, likewise."""
+    fold: (block_k, k_fold, num_warps[, block_n]) in place of the config's, likewise."""
     if not supports(x.shape[0], fmt, weight):  # before the device: a shape error reads first
         raise ValueError(
             f"fp8_gemv takes one row and a row-major weight with power-of-two blocks; got "
@@ -270,7 +270,7 @@ def fp8_gemv(
     if num_stages is not None:
         config = replace(config, num_stages=num_stages)
     if fold is not None:
-        config = replace(config, block_k=fold[0], k_fold=fold[1], num_warps=fold[2])
+        config = with_row_fold(config, fold)
     cfg = _fit(config, k, fmt)
     if fmt.granularity == "block":
         ws_strides = (weight_scale.stride(0), weight_scale.stride(1))

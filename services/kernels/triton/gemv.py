@@ -79,6 +79,19 @@ def check_k_fold(k_fold, block_k: int) -> None:
         raise ValueError(f"k_fold must be a power of two <= block_k ({block_k}), got {k_fold!r}")
 
 
+def with_row_fold(config, row_fold):
+    """config (GemvConfig or Fp8GemvConfig) with a one-row tile in place of its own:
+    row_fold = (block_k, k_fold, num_warps[, block_n]), as the kernel tuner stores it."""
+    if len(row_fold) not in (3, 4):
+        raise ValueError(
+            f"row_fold is (block_k, k_fold, num_warps[, block_n]), got {tuple(row_fold)!r}"
+        )
+    block_n = row_fold[3] if len(row_fold) == 4 else config.block_n
+    return replace(
+        config, block_n=block_n, block_k=row_fold[0], k_fold=row_fold[1], num_warps=row_fold[2]
+    )
+
+
 def default_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:
     """From an H200 sweep (bf16, Llama-3-8B projections, back-to-back in a CUDA graph).
     The bytes in flight per SM are ~N * BLOCK_K / num_sms, so narrower weights take
@@ -265,13 +278,13 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     row_stages: int | None = None,
-    row_fold: tuple[int, int, int] | None = None,
+    row_fold: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(x, weight, bias) for x [M <= 8, K] (any strides) and a
     row-major weight [N, K]; fp32 accumulation, output [M, N] in x's dtype. row_stages:
     for one row, the K loop's depth in place of the config's (the kernel tuner's pick
     for this GPU); more rows take their tensor-core path's own. row_fold: (block_k,
-    k_fold, num_warps) for one row in place of the config's, likewise."""
+    k_fold, num_warps[, block_n]) for one row in place of the config's, likewise."""
     _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -290,7 +303,7 @@ def gemv(
     if row_stages is not None and m == 1:
         config = replace(config, num_stages=row_stages)
     if row_fold is not None and m == 1:
-        config = replace(config, block_k=row_fold[0], k_fold=row_fold[1], num_warps=row_fold[2])
+        config = with_row_fold(config, row_fold)
     _launch(x, weight, bias, out, config)
     return out
 
