@@ -368,8 +368,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
 
 # One decode row's GEMV (linear, fp8_linear): its K loop plain or pipelined this deep
 ROW_STAGES = (1, 3)
-# ...and [block_k, k_fold, warps[, block_n]] tiles (H100 sweeps, docs/performance.md): bf16
-# 2048 x 8; FP8 1024 x 16, and 16 rows (x's quantization shared by twice the rows)
+# ...and [block_k, k_fold, warps[, block_n]] tiles from H100 sweeps (docs/performance.md)
 ROW_FOLDS = {"linear": ([2048, 8, 4],), "fp8_linear": ([1024, 16, 4], [2048, 16, 4, 16])}
 
 

@@ -16,7 +16,11 @@ import triton.language as tl  # noqa: E402
 
 from services.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_activation  # noqa: E402
 from services.kernels.triton._launch import is_interpreted  # noqa: E402
-from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by  # noqa: E402
+from services.kernels.triton.fp8_round import (  # noqa: E402
+    activation_scale,
+    quantize_e4m3_by,
+    reciprocal_rn,
+)
 
 GROUP = 128
 
@@ -27,7 +31,7 @@ def _quantize_groups(x_ptr, q_ptr, GROUP_: tl.constexpr, FP8_MAX_: tl.constexpr,
     offs = tl.program_id(0) * GROUP_ + tl.arange(0, GROUP_)
     x = tl.load(x_ptr + offs)
     s = activation_scale(tl.max(tl.abs(x), axis=0), MIN_AMAX_, FP8_MAX_)
-    inv_s = tl.math.div_rn(1.0, s)
+    inv_s = reciprocal_rn(s)
     q = quantize_e4m3_by(x, s, inv_s, FP8_MAX_, ROUND_IN_FP32)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty))
 

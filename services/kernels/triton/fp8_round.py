@@ -40,8 +40,14 @@ def quantize_e4m3(x, scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr)
 
 
 @triton.jit
+def reciprocal_rn(scale):
+    """1 / scale correctly rounded: quantize_e4m3_by's inv_scale."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def quantize_e4m3_by(x, scale, inv_scale, FP8_MAX_: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """quantize_e4m3 for many x per scale, with inv_scale = div_rn(1.0, scale) computed
+    """quantize_e4m3 for many x per scale, with inv_scale = reciprocal_rn(scale) computed
     once: q0 = x * inv_scale is within an ulp of x / scale, and one step with the
     exact remainder (an fma) makes it the correctly rounded quotient (Markstein's
     theorem): three instructions where div_rn takes about eight and a branch. Equal to
