@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -36,20 +37,49 @@ def start_worker(role: str, *args: str, model: str, ready_timeout: float = 300) 
     ready_timeout or is interrupted while starting (Ctrl-C, or SIGTERM from `timeout`:
     main() turns it into KeyboardInterrupt) is stopped, and its last output shown."""
     cmd = [*PDSERVE, role, "--model", model, "--port", "0", *args]
-    worker = Child(role, cmd, env={**os.environ, "GLOG_minloglevel": "2"}, echo=False)
     started = time.monotonic()
+    signals = _HeldSignals()  # until `worker` holds the process: then cleanup can reach it
+    worker = None
     try:
+        worker = Child(role, cmd, env={**os.environ, "GLOG_minloglevel": "2"}, echo=False)
+        signals.release()
         while not worker.ready.wait(0.5):  # not the whole wait for one that already exited
             if worker.proc.poll() is not None or time.monotonic() - started > ready_timeout:
                 break
         else:
             return worker
     except BaseException:  # interrupted: say where the start had got to, then unwind
-        worker.stop(10)
-        print(_not_ready(worker, started), file=sys.stderr, flush=True)
+        signals.release(deliver=False)
+        if worker is not None:
+            worker.stop(10)
+            print(_not_ready(worker, started), file=sys.stderr, flush=True)
         raise
     worker.stop(10)
     raise RuntimeError(_not_ready(worker, started))
+
+
+class _HeldSignals:
+    """SIGINT and SIGTERM recorded, not acted on, until release(); then delivered to the
+    handlers they had. (Not a blocked signal mask: a worker started meanwhile would
+    inherit it and ignore SIGTERM.)"""
+
+    SIGNUMS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.held: list[int] = []
+        in_main = threading.current_thread() is threading.main_thread()  # signal.signal's rule
+        self.previous = {s: signal.signal(s, self._record) for s in self.SIGNUMS if in_main}
+
+    def _record(self, signum, frame):
+        self.held.append(signum)
+
+    def release(self, deliver: bool = True) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+        for signum in self.held if deliver else ():
+            signal.raise_signal(signum)  # the restored handler runs here (it may raise)
+        self.held = []
 
 
 def _not_ready(worker: Child, started: float) -> str:
