@@ -285,16 +285,19 @@ class GenerationRun:
         call = decode.mux.open(gen, timeout)
 
         def passed_on(resp) -> None:
+            # called by the stream's reader as it parses each response (mux.py), the first
+            # included: no wake-up of this task per token, none before the first
+            nonlocal prefilling, started
+            if prefilling:
+                metrics.worker_done(prefill)
+                prefilling = False
+            started = True
             self.queue.put_nowait(Event(index, resp=resp, decode=decode, prefill=prefill))
 
+        call.stream_to(passed_on)
         try:
-            async for resp in call:  # the first response; the rest go by passed_on
-                if prefilling:
-                    metrics.worker_done(prefill)
-                    prefilling = False
-                started = True
-                passed_on(resp)
-                call.stream_to(passed_on)  # no wake-up of this task per token
+            async for _ in call:  # only the end or an error: the responses went to passed_on
+                pass
             if call.completed:
                 return None, "", True
             return grpc.StatusCode.UNAVAILABLE, "the worker ended the stream unfinished", started

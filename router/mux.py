@@ -4,10 +4,10 @@ step (services/decode/mux.py). A request reads its responses from its own queue 
 fails like a unary Generate would (WorkerCallError carries the same status code), so
 dispatch.py treats both alike.
 
-After its first response a request can hand the rest straight to a sink
-(`stream_to`): the stream's reader then passes each response on as it parses it,
-without waking the request's own task for every token; errors and the end still
-reach that task.
+A request can hand its responses straight to a sink (`stream_to`): the stream's
+reader then passes each one on as it parses it, without waking the request's own task
+for every token (the router's dispatch does so from the start, so even the first token
+goes to the client without that wake-up); errors and the end still reach that task.
 
 The stream opens on the first request and again after it breaks: a broken stream (the
 worker died or restarted, the channel closed) ends every request on it with its status,
