@@ -84,6 +84,17 @@ class DeviceTokens:
         return self._host.tolist()
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum. On a GPU in two stages (triton/argmax.py: torch's one
+    reduction of a 128k-vocabulary row took ~40 us of a decode step), imported here
+    because the kernel tests must import Triton's kernels first (interpreter on a CPU)."""
+    if not logits.is_cuda:
+        return logits.argmax(dim=-1)
+    from services.kernels.triton.argmax import argmax_rows
+
+    return argmax_rows(logits)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         if all(_plain_greedy(r) for r in requests):
@@ -131,7 +142,7 @@ class Sampler:
             # the same argmax (bf16 -> fp32 is exact), in half the time: a CPU's bf16
             # argmax is not vectorized (1.2 ms for 16 rows of SmolLM2's vocabulary)
             logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
         for i, r in enumerate(requests):
             p = r.params
             if p.greedy:
