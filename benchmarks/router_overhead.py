@@ -32,11 +32,14 @@ from pdserve.launcher import PDSERVE, Child
 from router.mux import DecodeMux
 
 
-def start_worker(role: str, *args: str, model: str, ready_timeout: float = 300) -> Child:
+def start_worker(
+    role: str, *args: str, model: str, ready_timeout: float = 300, program=PDSERVE
+) -> Child:
     """A worker process on a free port, ready to serve. One that exits, outlasts
     ready_timeout or is interrupted while starting (Ctrl-C, or SIGTERM from `timeout`:
-    main() turns it into KeyboardInterrupt) is stopped, and its last output shown."""
-    cmd = [*PDSERVE, role, "--model", model, "--port", "0", *args]
+    main() turns it into KeyboardInterrupt) is stopped, and its last output shown.
+    program: the command line before the role (pdserve's, or a wrapper of it)."""
+    cmd = [*program, role, "--model", model, "--port", "0", *args]
     started = time.monotonic()
     signals = _HeldSignals()  # until `worker` holds the process: then cleanup can reach it
     worker = None

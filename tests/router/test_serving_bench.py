@@ -161,3 +161,28 @@ def test_a_signal_during_a_worker_spawn_is_held_until_the_worker_can_be_stopped(
         assert signal.getsignal(signal.SIGTERM) is _interrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_first_token_stages_stamps_every_stage(tmp_path):
+    """benchmarks/first_token_stages.py: every stamp along both paths is reached (a
+    renamed router or worker function would leave its stage out, or fail the start)."""
+    model = tmp_path / "tiny"
+    subprocess.run(
+        [sys.executable, "benchmarks/dummy_model.py", "--config",
+         "benchmarks/configs/tiny-llama.json", "--out", str(model)],
+        check=True, timeout=120,
+    )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "benchmarks/first_token_stages.py", "--model", str(model),
+         "--load-format", "dummy", "--requests", "3", "--max-tokens", "2", "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    routed, direct = out.stdout.split("straight to GenerateStream")
+    for stage in ("router: handler", "router: dispatched", "router: stream open",
+                  "router: gRPC write", "router: gRPC write done", "worker: start",
+                  "worker: first response", "worker: sent", "router: first response",
+                  "router: SSE headers", "router: SSE write", "client: first token"):  # fmt: skip
+        assert f"| {stage} |" in routed, stage
+    for stage in ("worker: start", "worker: first response", "worker: sent", "client: first token"):
+        assert f"| {stage} |" in direct, stage
