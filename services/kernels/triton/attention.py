@@ -18,7 +18,8 @@ Grid: (q_blocks, num_kv_heads, num_splits).
   cu_seqlens_q and exits if it is past that sequence's rows.
 - num_splits > 1 (flash-decoding): the key range of each q block is cut into
   num_splits parts; each writes an unnormalised partial (acc, running max, running
-  sum) to fp32 scratch and a second kernel merges them: for batches with too few
+  sum) to fp32 scratch and a second kernel merges them, or the q block's last split
+  to finish does (merge_last; attention_merge.py): for batches with too few
   (q block, kv head) programs to fill the GPU (small decode batches, long contexts).
 
 Keys are walked in tiles of TILE_N positions. Each position's block id comes from the
@@ -40,6 +41,8 @@ cache. An fp32 q converts K and V to fp32 as loaded."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -55,8 +58,15 @@ from services.kernels.triton._launch import (
     use_pdl,
 )
 from services.kernels.triton.attention_config import attention_config
+from services.kernels.triton.attention_merge import (
+    merge_counters,
+    merge_rows,
+    merge_splits_kernel,
+)
 
 _LOG2E = 1.4426950408889634
+# "last": key splits merged by each q block's last split, not a second kernel (A/B)
+MERGE_ENV = "PDSERVE_TRITON_ATTN_MERGE"
 
 
 # Ints that vary from batch to batch are not specialized: Triton would compile another
@@ -75,6 +85,7 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_P] fp32, only when NUM_SPLITS > 1
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32 (running max, running sum)
+    counters_ptr,  # MERGE_LAST: [q_blocks * Hk] int32, zero between launches
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache; KV_F16: without the softmax scale)
     q_scale,  # KV_F16: the softmax scale, applied to q before its fp16 cast; else unused
     v_scale,  # FP8 cache: the accumulator's factor; else unused
@@ -110,6 +121,7 @@ def _paged_attention_kernel(
     KV_F16: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
     SLIDING: tl.constexpr,
+    MERGE_LAST: tl.constexpr,  # NUM_SPLITS > 1: the q block's last split merges them all
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)
@@ -241,6 +253,16 @@ def _paged_attention_kernel(
         )
         tl.store(part_ml_ptr + row_base * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row_base * 2 + 1, l_i, mask=row_ok)
+        if MERGE_LAST:
+            tl.debug_barrier()  # every thread's partial is stored before the count says so
+            counter = counters_ptr + q_block * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the others' partials are all visible now
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch (graph replays)
+                merge_rows(
+                    out_ptr, part_acc_ptr, part_ml_ptr, tok, head, row_ok, offs_d, stride_ot,
+                    stride_oh, stride_od, num_q_heads, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, BLOCK_M,
+                )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -251,50 +273,6 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _merge_splits_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    n_rows,  # T * Hq
-    num_q_heads,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_sync(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # token * Hq + head
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    splits = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    base = rows64[:, None] * NUM_SPLITS + splits[None, :]  # [R, S]
-    m = tl.load(part_ml_ptr + base * 2, mask=row_ok[:, None], other=float("-inf"))
-    lsum = tl.load(part_ml_ptr + base * 2 + 1, mask=row_ok[:, None], other=0.0)
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max[:, None])  # empty splits: exp2(-inf) = 0
-    denom = tl.sum(w * lsum, axis=1)
-    acc = tl.load(
-        part_acc_ptr + base[:, :, None] * HEAD_DIM_P + offs_d[None, None, :],
-        mask=row_ok[:, None, None],
-        other=0.0,
-    )  # [R, S, D]
-    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    tok = rows64 // num_q_heads
-    head = rows64 % num_q_heads
-    tl.store(
-        out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )
 
 
 def paged_attention(
@@ -314,6 +292,8 @@ def paged_attention(
     v_scale: float | None = None,
     split_decode_rows: bool = False,
     sliding_window: int | None = None,
+    merge_last: bool | None = None,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
@@ -323,7 +303,13 @@ def paged_attention(
     decode configuration and the longer ones at this batch's; a single configuration
     sized for long queries gives each decode row a whole prefill tile (mostly idle).
     Lengths stay on the device: both grids cover every sequence and skip the others'.
-    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p)."""
+    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p).
+    merge_last: with key splits, the last split of each q block to finish merges them
+    (an arrival counter per q block), instead of a second kernel; None: the
+    PDSERVE_TRITON_ATTN_MERGE environment variable ("last"; default "separate").
+    workspace: a dict kept for one step (AttentionMetadata.backend_data) where the
+    counters live from one layer to the next: zeroed once, each launch leaves them
+    zero (None: zeroed per call)."""
     kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -374,6 +360,14 @@ def paged_attention(
         )
     else:
         part_acc = part_ml = out  # unused
+    if merge_last is None:
+        merge_last = os.environ.get(MERGE_ENV, "separate") == "last"
+    merge_last = merge_last and splits > 1
+    counters = (
+        merge_counters(workspace, cfg["num_q_blocks"] * num_kv_heads, q.device)
+        if merge_last
+        else out
+    )
     # fp32 compute: exact fp32 products (no tf32); 16-bit: the target default
     compute_dtype = q.dtype if kv_fp8 else k_cache.dtype
     precision = "ieee" if compute_dtype == torch.float32 else None
@@ -395,6 +389,7 @@ def paged_attention(
             cu_seqlens_q,
             part_acc,
             part_ml,
+            counters,
             qk_scale,
             float(scale),
             1.0 if v_scale is None else float(v_scale),
@@ -420,15 +415,16 @@ def paged_attention(
             KV_F16=kv_f16,
             ROWS=rows,
             SLIDING=sliding_window is not None,
+            MERGE_LAST=merge_last,
             USE_PDL=pdl,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
             launch_pdl=pdl,
         )
-    if splits > 1:
+    if splits > 1 and not merge_last:
         n_rows = n_tokens * num_q_heads
         block_r = min(next_pow2(n_rows), 64) if interp else 1
-        _merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
+        merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
             out,
             part_acc,
             part_ml,
