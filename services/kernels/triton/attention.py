@@ -62,6 +62,7 @@ from services.kernels.triton.attention_merge import (
     merge_counters,
     merge_rows,
     merge_splits_kernel,
+    store_rows,
 )
 
 _LOG2E = 1.4426950408889634
@@ -264,15 +265,8 @@ def _paged_attention_kernel(
                     stride_oh, stride_od, num_q_heads, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, BLOCK_M,
                 )  # fmt: skip
     else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + tok[:, None] * stride_ot
-            + head[:, None] * stride_oh
-            + offs_d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        store_rows(out_ptr, acc, l_i, tok, head, offs_d, stride_ot, stride_oh, stride_od,
+                   row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 def paged_attention(

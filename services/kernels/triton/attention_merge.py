@@ -42,6 +42,13 @@ def merge_rows(
         part = tl.load(part_acc_ptr + (rows + s)[:, None] * HEAD_DIM_P + offs_d[None, :],
                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
         acc += part * w[:, None]
+    store_rows(out_ptr, acc, denom, tok, head, offs_d, stride_ot, stride_oh, stride_od,
+               row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
+
+
+@triton.jit
+def store_rows(out_ptr, acc, denom, tok, head, offs_d, stride_ot, stride_oh, stride_od, mask):
+    """acc [rows, D] / denom [rows] (0: an empty row, stored as 0) into out[tok, head]."""
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(
         out_ptr
@@ -49,7 +56,7 @@ def merge_rows(
         + head[:, None] * stride_oh
         + offs_d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        mask=mask,
     )
 
 
