@@ -11,10 +11,12 @@ Meant for trying pdserve on one machine; production runs each process on its own
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -342,6 +344,8 @@ def run_up(args, worker_args: list[str]) -> int:
 
         return start
 
+    port = getattr(args, "port", 0)  # 0 (or none, in a test double): nothing to hold
+    reserved = _reserve_port(args.host, port) if port else None
     try:
         for name, device in plan:
             workers.append(Supervised(name, starter(name, device), policy, max_restarts))
@@ -364,6 +368,9 @@ def run_up(args, worker_args: list[str]) -> int:
             router_cmd += ["--enable-auto-tool-choice"]
         if getattr(args, "api_server_count", 1) != 1:
             router_cmd += ["--api-server-count", str(args.api_server_count)]
+        if reserved is not None:  # the workers have their ports: the router takes its own
+            reserved.close()
+            reserved = None
         router = Child("router", router_cmd, env)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         announced = False
@@ -383,6 +390,8 @@ def run_up(args, worker_args: list[str]) -> int:
             stopping.wait(0.5)
         return 0 if announced else 1
     finally:
+        if reserved is not None:
+            reserved.close()
         if router is not None:  # first, so no new requests reach workers
             router.stop(timeout=30)
         for w in reversed(workers):
@@ -395,5 +404,27 @@ def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up, or not HTTP/1 (not the router)
         return False
+
+
+def _reserve_port(host: str, port: int) -> socket.socket | None:
+    """A socket bound to the router's address while the workers start: they take any
+    free port (--port 0), and the kernel never hands out one that is bound, so a worker
+    cannot take the router's (seen with a router port from the ephemeral range: the
+    readiness probe then met a gRPC server). No SO_REUSEADDR, which would let it share;
+    None when the bind fails (a port in TIME_WAIT, say): the router then binds it or
+    reports why not."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        return None
+    return sock

@@ -244,3 +244,57 @@ def test_up_colocated_answers_and_stops_cleanly(default_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_readiness_probe_takes_a_non_http_answer_as_not_ready():
+    """A gRPC worker on the router's port answers the probe with HTTP/2 bytes: that is
+    not the router, and `pdserve up` must keep waiting, not crash on BadStatusLine (CI
+    saw it when a worker had taken the router's port)."""
+    import socket
+    import threading
+
+    from pdserve.launcher import _ready
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def answer_in_http2():
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\xff\xff\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer_in_http2, daemon=True)
+    thread.start()
+    try:
+        assert _ready(f"http://127.0.0.1:{port}") is False
+    finally:
+        thread.join(5)
+        server.close()
+
+
+def test_the_router_port_is_held_while_the_workers_start():
+    """_reserve_port binds the router's address without SO_REUSEADDR, so no other socket
+    (a worker's bind to port 0 included) gets it until the router starts; a port that
+    is already taken gives None (the router then reports it)."""
+    import socket
+
+    from pdserve.launcher import _reserve_port
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    held = _reserve_port("127.0.0.1", port)
+    assert held is not None
+    try:
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        assert _reserve_port("127.0.0.1", port) is None
+    finally:
+        held.close()
+    with socket.socket() as router:  # released: the router binds it
+        router.bind(("127.0.0.1", port))
