@@ -25,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 STAMPS_ENV = "PDSERVE_FIRST_TOKEN_STAMPS"  # the file a stamped process writes
 _stamps: dict[str, dict[str, float]] = {}
@@ -186,7 +185,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=18741, help="the router's (0: a free one)")
     args = ap.parse_args()
-    start_worker = _router_overhead().start_worker
+    bench = _router_overhead()
     from pdserve.launcher import PDSERVE
 
     port = args.port or _free_port()
@@ -195,34 +194,33 @@ def main() -> None:
     stamped = [sys.executable, os.path.abspath(__file__), "--as"]
     common = ("--load-format", args.load_format, "--device", args.device)
     os.environ[STAMPS_ENV] = files["worker"]
-    prefill = start_worker("prefill", *common, model=args.model, program=PDSERVE)
-    decode = start_worker("decode", *common, model=args.model, program=[*stamped, "worker"])
-    router = subprocess.Popen(
-        [*stamped, "router", "--port", str(port), "--prefill", prefill.address,
-         "--decode", decode.address, "--served-model-name", "m",
-         "--max-concurrent-requests", "0", "--log-level", "WARNING"],
-        env={**os.environ, STAMPS_ENV: files["router"]},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    workers, router = [], None
     try:
-        for _ in range(120):
-            if router.poll() is not None:
-                raise SystemExit(f"the stamped router exited ({router.returncode})")
-            try:
-                if urllib.request.urlopen(f"{url}/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+        workers.append(bench.start_worker("prefill", *common, model=args.model, program=PDSERVE))
+        prefill = workers[-1]
+        workers.append(
+            bench.start_worker("decode", *common, model=args.model, program=[*stamped, "worker"])
+        )
+        decode = workers[-1]
+        router = subprocess.Popen(
+            [*stamped, "router", "--port", str(port), "--prefill", prefill.address,
+             "--decode", decode.address, "--served-model-name", "m",
+             "--max-concurrent-requests", "0", "--log-level", "WARNING"],
+            env={**os.environ, STAMPS_ENV: files["router"]},
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        bench.wait_router_ready(url, router)
         warm = 4  # the first requests of each path compile and connect
         routed, direct = asyncio.run(
             _requests(url, decode.address, prefill.address, args.requests + warm, args.max_tokens)
         )
         time.sleep(1.5)  # the worker's last dump
     finally:
-        router.terminate()
-        router.wait(30)
-        decode.stop(10)
-        prefill.stop(10)
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        for w in reversed(workers):
+            w.stop(10)
     router_stamps = json.load(open(files["router"]))
     worker_stamps = json.load(open(files["worker"]))
     rows = [

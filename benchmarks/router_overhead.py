@@ -85,6 +85,22 @@ class _HeldSignals:
         self.held = []
 
 
+def wait_router_ready(url: str, router: subprocess.Popen, timeout: float = 60) -> None:
+    """Until the router's /ready answers 200; a router that exits first ends the wait."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if router.poll() is not None:
+            raise SystemExit(f"the router exited ({router.returncode}) before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the router at {url} was not ready in {timeout:.0f} s")
+
+
 def _not_ready(worker: Child, started: float) -> str:
     return (
         f"the {worker.name} worker did not become ready in {time.monotonic() - started:.0f} s;"
@@ -331,12 +347,7 @@ def measure(args, model: str, common: tuple[str, ...], workers: list[Child]) -> 
     )
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(f"{url}/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_router_ready(url, router)
         asyncio.run(run(url, decode.address, prefill.address, 2, args.max_tokens))  # warm-up
         print("| streams | path | TTFT p50 | TTFT p99 | per token p50 | per token p99 |")
         print("|---|---|---|---|---|---|")

@@ -21,15 +21,11 @@ def merge_rows(
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """MERGE_LAST: one q block's rows [BLOCK_M] from every split's partial, a split at a
-    time (all of them at once would not fit the registers). The partials come from
-    other programs' stores: read past L1 (.cg), which may hold an earlier launch's."""
+    time (all of them at once would not fit the registers), rescaled as the running max
+    grows (as the attention loop does), so each partial is read once. The partials come
+    from other programs' stores: read past L1 (.cg), which may hold an earlier launch's."""
     rows = (tok * num_q_heads + head) * NUM_SPLITS  # [BLOCK_M] first split's index
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.load(part_ml_ptr + (rows + s) * 2, mask=row_ok, other=float("-inf"),
-                    cache_modifier=".cg")  # fmt: skip
-        m_max = tl.maximum(m_max, m)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     for s in range(NUM_SPLITS):
@@ -37,11 +33,15 @@ def merge_rows(
                     cache_modifier=".cg")  # fmt: skip
         lsum = tl.load(part_ml_ptr + (rows + s) * 2 + 1, mask=row_ok, other=0.0,
                        cache_modifier=".cg")  # fmt: skip
-        w = tl.math.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
-        denom += w * lsum
         part = tl.load(part_acc_ptr + (rows + s)[:, None] * HEAD_DIM_P + offs_d[None, :],
                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += part * w[:, None]
+        m_new = tl.maximum(m_run, m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: weights 0
+        alpha = tl.math.exp2(m_run - m_use)
+        w = tl.math.exp2(m - m_use)  # an empty split: exp2(-inf) = 0
+        denom = denom * alpha + w * lsum
+        acc = acc * alpha[:, None] + part * w[:, None]
+        m_run = m_new
     store_rows(out_ptr, acc, denom, tok, head, offs_d, stride_ot, stride_oh, stride_od,
                row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
@@ -94,14 +94,9 @@ def merge_splits_kernel(
         mask=row_ok[:, None, None],
         other=0.0,
     )  # [R, S, D]
-    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    tok = rows64 // num_q_heads
-    head = rows64 % num_q_heads
-    tl.store(
-        out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )
+    store_rows(out_ptr, tl.sum(acc * w[:, :, None], axis=1), denom, rows64 // num_q_heads,
+               rows64 % num_q_heads, offs_d, stride_ot, stride_oh, stride_od,
+               row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 def merge_counters(workspace: dict | None, size: int, device) -> torch.Tensor:
