@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -36,8 +37,12 @@ def _stamp(rid, name: str) -> None:
 
 
 def _dump() -> None:
-    with open(os.environ[STAMPS_ENV], "w") as f:
-        json.dump(_stamps, f)
+    """Written whole, then renamed: a process stopped mid-write leaves the last dump."""
+    path = os.environ[STAMPS_ENV]
+    snapshot = {rid: dict(entry) for rid, entry in list(_stamps.items())}  # others stamp on
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        json.dump(snapshot, f)
+    os.replace(f.name, path)
 
 
 def _wrap(owner, name: str, rid_of, before: str, after: str | None = None) -> None:
@@ -184,6 +189,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=18741, help="the router's (0: a free one)")
+    ap.add_argument("--worker-args", default="", help="more worker flags, one string")
+    ap.add_argument("--ready-timeout", type=float, default=300)
     args = ap.parse_args()
     bench = _router_overhead()
     from pdserve.launcher import PDSERVE
@@ -192,14 +199,29 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     files = {"router": f"{tmp}/router.json", "worker": f"{tmp}/worker.json"}
     stamped = [sys.executable, os.path.abspath(__file__), "--as"]
-    common = ("--load-format", args.load_format, "--device", args.device)
+    common = ("--load-format", args.load_format, "--device", args.device,
+              *shlex.split(args.worker_args))  # fmt: skip
     os.environ[STAMPS_ENV] = files["worker"]
     workers, router = [], None
     try:
-        workers.append(bench.start_worker("prefill", *common, model=args.model, program=PDSERVE))
+        workers.append(
+            bench.start_worker(
+                "prefill",
+                *common,
+                model=args.model,
+                program=PDSERVE,
+                ready_timeout=args.ready_timeout,
+            )
+        )
         prefill = workers[-1]
         workers.append(
-            bench.start_worker("decode", *common, model=args.model, program=[*stamped, "worker"])
+            bench.start_worker(
+                "decode",
+                *common,
+                model=args.model,
+                program=[*stamped, "worker"],
+                ready_timeout=args.ready_timeout,
+            )
         )
         decode = workers[-1]
         router = subprocess.Popen(
