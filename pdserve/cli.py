@@ -93,7 +93,8 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        type=str.lower,  # DEBUG or debug: Python's names in either case
+        choices=["debug", "info", "warning", "error", "critical"],
         help="pdserve's log level; debug also shows the transfer engine's (Mooncake) "
         "own lines, which otherwise appear only as warnings and errors",
     )

@@ -170,7 +170,7 @@ def _serve(spec: ServerSpec) -> None:
     from router.app import create_app, freeze_heap_on_startup
 
     logging.basicConfig(
-        level=getattr(logging, str(spec.log_level).upper(), logging.INFO),
+        level=spec.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[{spec.index}]: %(message)s",
     )
     # a terminal's Ctrl-C reaches the whole group; the supervisor then stops each API

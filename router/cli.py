@@ -164,7 +164,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "with N > 1 metrics and concurrency limits are summed over them, and the /admin "
         f"endpoints are off (default {d.api_server_count})",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,  # DEBUG or debug: Python's names in either case
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="the router's log level (default info)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -210,7 +216,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("pdserve.router").info(

@@ -33,3 +33,12 @@ def test_engine_process_default_follows_the_device():
     assert _engine_process("--engine-process") is True
     with pytest.raises(SystemExit):  # a prefill worker has no such flag
         build_parser().parse_args(["prefill", "--model", "m", "--engine-process"])
+
+
+def test_log_level_in_either_case_and_an_unknown_one_refused(capsys):
+    parse = build_parser().parse_args
+    for given in ("DEBUG", "debug", "Warning"):
+        assert parse(["decode", "--model", "m", "--log-level", given]).log_level == given.lower()
+    with pytest.raises(SystemExit):
+        parse(["decode", "--model", "m", "--log-level", "verbose"])
+    assert "--log-level" in capsys.readouterr().err

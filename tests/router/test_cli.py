@@ -93,3 +93,14 @@ def test_addresses():
     assert normalize_address("[::1]:80") == "[::1]:80"
     with pytest.raises(ValueError):
         parse_address("[::1]80")
+
+
+def test_log_level_in_either_case_and_an_unknown_one_refused(capsys):
+    # Python's names in either case (the Helm chart passes INFO); an unknown level is an
+    # error naming the flag, not INFO in its place
+    assert parse().log_level == "info"
+    assert parse("--log-level", "DEBUG").log_level == "debug"
+    assert parse("--log-level", "critical").log_level == "critical"
+    with pytest.raises(SystemExit):
+        parse("--log-level", "verbose")
+    assert "--log-level" in capsys.readouterr().err
