@@ -305,7 +305,7 @@ def test_captured_mixed_step_layout(split, device):
 def test_the_merge_follows_its_environment_variable(value, merged, monkeypatch, device):
     """PDSERVE_TRITON_ATTN_MERGE (the A/B switch of a backend left at None): "last"
     merges in the attention kernel, which keeps its counters in the step's metadata;
-    anything else, or unset, runs the separate merge kernel."""
+    "separate", or unset, runs the separate merge kernel."""
     from services.kernels.triton.attention import MERGE_ENV
 
     if value is None:
@@ -319,3 +319,15 @@ def test_the_merge_follows_its_environment_variable(value, merged, monkeypatch, 
     out = TritonBackend(attn_num_splits=4).paged_attention(q, k_cache, v_cache, meta, scale=0.25)
     assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.25), torch.float32)
     assert ("attention_merge_counters" in meta.backend_data) == merged
+
+
+def test_a_mistyped_merge_switch_is_refused_naming_it(monkeypatch, device):
+    from services.kernels.triton.attention import MERGE_ENV
+
+    monkeypatch.setenv(MERGE_ENV, "Last")
+    q, k_cache, v_cache, meta, _ = make_attention_batch(
+        [1], [40], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=16,
+        dtype=torch.float32, device=device, seed=7,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=MERGE_ENV):
+        TritonBackend(attn_num_splits=4).paged_attention(q, k_cache, v_cache, meta, scale=0.25)

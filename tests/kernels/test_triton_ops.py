@@ -172,3 +172,15 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
         monkeypatch.setenv(_launch.PDL_ENV, "1")
         expected = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
         assert _launch.use_pdl(torch.zeros(1, device="cuda")) == expected
+
+
+def test_an_ab_switch_takes_its_values_and_refuses_others(monkeypatch):
+    from services.kernels.triton._launch import PDL_ENV, env_switch
+
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert env_switch(PDL_ENV, "1", ("0", "1")) == "1"
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert env_switch(PDL_ENV, "1", ("0", "1")) == "0"
+    monkeypatch.setenv(PDL_ENV, "off")  # read as "on" before: only "0" turned PDL off
+    with pytest.raises(ValueError, match=f"{PDL_ENV}='off'"):
+        env_switch(PDL_ENV, "1", ("0", "1"))

@@ -20,6 +20,15 @@ except ImportError:
 PDL_ENV = "PDSERVE_TRITON_PDL"
 
 
+def env_switch(name: str, default: str, values: tuple[str, ...]) -> str:
+    """An A/B environment switch's value, or `default` when unset. Any other value is a
+    ValueError naming the variable: a mistyped switch must not run the other branch."""
+    value = os.environ.get(name, default)
+    if value not in values:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(values)}")
+    return value
+
+
 def is_interpreted(kernel) -> bool:
     """True when `kernel` was decorated under TRITON_INTERPRET=1 (it then runs on the
     CPU through numpy, and CPU tensors are fine)."""
@@ -91,7 +100,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     results. At decode batch sizes a layer is a dozen kernels of a few microseconds,
     so the gap between two of them is a large share of the step (docs/performance.md).
     CUDA graphs keep the overlap (captured as programmatic edges)."""
-    if not t.is_cuda or gdc_wait is None or os.environ.get(PDL_ENV, "1") == "0":
+    if not t.is_cuda or gdc_wait is None or env_switch(PDL_ENV, "1", ("0", "1")) == "0":
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _pdl_capable(index)

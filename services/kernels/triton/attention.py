@@ -41,8 +41,6 @@ cache. An fp32 q converts K and V to fp32 as loaded."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +50,7 @@ from services.kernels.triton._launch import (
     check_device,
     device_smem,
     device_sms,
+    env_switch,
     is_interpreted,
     next_pow2,
     pdl_sync,
@@ -355,7 +354,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     if merge_last is None:
-        merge_last = os.environ.get(MERGE_ENV, "separate") == "last"
+        merge_last = env_switch(MERGE_ENV, "separate", ("separate", "last")) == "last"
     merge_last = merge_last and splits > 1
     counters = (
         merge_counters(workspace, cfg["num_q_blocks"] * num_kv_heads, q.device)
