@@ -117,6 +117,8 @@ def test_routing_and_logits_together_are_refused(device):
         fused_moe(x, logits, w13, w2, 2, True, config=GEMV, routing=routing)
     with pytest.raises(ValueError, match="routing without router_logits"):
         fused_moe(x, None, w13, w2, 2, True, config=TILED, routing=routing)
+    with pytest.raises(ValueError, match="needs router_logits"):
+        fused_moe(x, None, w13, w2, 2, True, config=GEMV)
 
 
 def test_engine_decoding_one_sequence_routes_in_the_router_gemv(tmp_path, device, monkeypatch):

@@ -244,16 +244,19 @@ def takes_gemv_path(tokens: int, w13, top_k: int, config: dict | None, fp8) -> b
 
 
 def _check(x, router_logits, w13, w2, top_k, fp8=None):
-    if x.dim() != 2 or router_logits.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+    """router_logits None: the routing was made already (its weights and ids)."""
+    logits_2d = router_logits is None or router_logits.dim() == 2
+    if x.dim() != 2 or not logits_2d or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             "fused_moe needs x [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I]"
         )
     t, h = x.shape
     e, two_i, h13 = w13.shape
-    if router_logits.shape != (t, e) or h13 != h or two_i % 2:
+    logits_shape = (t, e) if router_logits is None else tuple(router_logits.shape)
+    if logits_shape != (t, e) or h13 != h or two_i % 2:
         raise ValueError(
             f"fused_moe shapes disagree: x {tuple(x.shape)}, router_logits "
-            f"{tuple(router_logits.shape)}, w13 {tuple(w13.shape)}"
+            f"{logits_shape}, w13 {tuple(w13.shape)}"
         )
     if w2.shape != (e, h, two_i // 2):
         raise ValueError(f"w2 must be [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w2.shape)}")
@@ -307,17 +310,18 @@ def fused_moe(
     scales (fp8.Fp8Experts), computed W8A8 as the module doc says. routing: the
     routing already made (moe_route.gate_route's weights and ids) in place of
     router_logits (None then), on the GEMV path only (takes_gemv_path)."""
+    if routing is None and router_logits is None:
+        raise ValueError("fused_moe needs router_logits, or the routing made already")
     if routing is not None:
         if router_logits is not None or not takes_gemv_path(x.shape[0], w13, top_k, config, fp8):
             raise ValueError("fused_moe takes routing without router_logits, on the GEMV path")
-        router_logits = x.new_empty(x.shape[0], w13.shape[0])  # for the shape checks only
     _check(x, router_logits, w13, w2, top_k, fp8)
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
     if t == 0 or h == 0 or inter == 0:
         return torch.zeros_like(x)
-    check_device(_moe_gemm_kernel, x, router_logits, w13, w2)
+    check_device(_moe_gemm_kernel, x, w13, w2, *(() if routing else (router_logits,)))
     cfg = _check_config(dict(config or default_launch(t, e, h, inter, top_k, w13.dtype)))
     if cfg.get("kernel") == "gemv":
         if fp8 is not None:
