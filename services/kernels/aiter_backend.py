@@ -201,11 +201,7 @@ class AiterBackend:
             k_scale, v_scale, qk_norm,
         )  # fmt: skip
 
-    def fused_moe(
-        self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None, gate=None
-    ):
-        if router_logits is None:
-            router_logits = self.linear(x, gate)
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
         if fp8 is not None:  # FP8 experts: pdserve's FP8 fused MoE, at its default tiles
             if not self.fallbacks["fused_moe.fp8"]:
                 log.warning(

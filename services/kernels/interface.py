@@ -158,11 +158,8 @@ class KernelBackend(Protocol):
         top_k: int,
         renormalize: bool,
         fp8: Fp8Experts | None = None,
-        gate: torch.nn.Linear | None = None,
     ) -> torch.Tensor:
-        """A mixture-of-experts MLP. x: [T, H]; router_logits: [T, E] (any float dtype),
-        or None with `gate`, the router (a linear [E, H]): the logits are then
-        linear(x, gate)'s, which the backend may compute fused with the routing;
+        """A mixture-of-experts MLP. x: [T, H]; router_logits: [T, E] (any float dtype);
         w13: [E, 2I, H], each expert's gate rows then up rows; w2: [E, H, I].
         Routing: softmax over the experts in fp32, the top_k largest, divided by their
         sum when renormalize, cast to x's dtype. Returns [T, H]:

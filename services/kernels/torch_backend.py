@@ -54,11 +54,9 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None, gate=None):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # The reference: one expert at a time over the tokens routed to it, in the order
         # transformers' Qwen3-MoE / Mixtral blocks sum them (host syncs: eager only).
-        if router_logits is None:
-            router_logits = self.linear(x, gate)
         weights, ids = select_experts(router_logits, top_k, renormalize)
         weights = weights.to(x.dtype)
         if fp8 is not None:

@@ -16,28 +16,17 @@ from services.kernels.interface import (
     mixes_decode_rows,
     rope_and_store_kv_unfused,
 )
-from services.kernels.triton._launch import env_switch
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
-from services.kernels.triton.moe import takes_gemv_path
-from services.kernels.triton.moe_route import MOE_ROUTE_ENV, can_gate_route, gate_route
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(
-        self,
-        attn_num_splits: int | None = None,
-        attn_merge_last: bool | None = None,
-        moe_route_in_gemv: bool | None = None,
-    ):
+    def __init__(self, attn_num_splits: int | None = None, attn_merge_last: bool | None = None):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
         # key splits merged by each q block's last split (None: PDSERVE_TRITON_ATTN_MERGE)
         self.attn_merge_last = attn_merge_last
-        # MoE routing by the router's GEMV on the GEMV path (None: PDSERVE_TRITON_MOE_ROUTE)
-        self.moe_route_in_gemv = moe_route_in_gemv
-        self._moe_workspace: dict = {}  # the router GEMV's arrival counters (moe_route.py)
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
@@ -75,32 +64,9 @@ class TritonBackend:
     def silu_and_mul(self, x):
         return tk.silu_and_mul(x)
 
-    def routes_moe_in_gemv(self, x, w13, top_k, config, fp8, gate) -> bool:
-        """Whether fused_moe given `gate` (no logits) routes in the router's GEMV here:
-        switched on, on the GEMV path, with a router gate_route takes."""
-        on = self.moe_route_in_gemv
-        if on is None:
-            on = env_switch(MOE_ROUTE_ENV, "separate", ("separate", "gemv")) == "gemv"
-        return (
-            on
-            and x.shape[0] > 0
-            and takes_gemv_path(x.shape[0], w13, top_k, config, fp8)
-            and can_gate_route(x, gate)
-        )
-
-    def fused_moe(
-        self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None, gate=None
-    ):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
         # config: launch settings the tuner measured fastest here (default_config's if None)
-        routing = None
-        if router_logits is None:  # the router given
-            if self.routes_moe_in_gemv(x, w13, top_k, config, fp8, gate):
-                routing = gate_route(x, gate.weight, top_k, renormalize, self._moe_workspace)[:2]
-            else:
-                router_logits = self.linear(x, gate)
-        return tk.fused_moe(
-            x, router_logits, w13, w2, top_k, renormalize, config=config, fp8=fp8, routing=routing
-        )
+        return tk.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config=config, fp8=fp8)
 
     def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

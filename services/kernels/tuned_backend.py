@@ -120,19 +120,13 @@ class TunedBackend:
             return next(iter(chosen.values())).rope_and_store_kv(*args)
         return rope_and_store_kv_unfused(self, *args)  # each op on its own winner
 
-    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None, gate=None):
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # built from a MoE model's shapes, the backend has a choice for every class
         key = f"fused_moe.{token_class(x.shape[0])}"
         backend, config = self._pick[key], self.configs.get(key)
         kwargs = {} if fp8 is None else {"fp8": fp8}
         if config is not None:
             kwargs["config"] = config
-        if router_logits is None:
-            routes = getattr(backend, "routes_moe_in_gemv", None)
-            if routes is not None and routes(x, w13, top_k, config, fp8, gate):
-                kwargs["gate"] = gate  # the pick's router GEMV routes as well
-            else:  # the router as a linear, on the linear's own pick
-                router_logits = self.linear(x, gate)
         return backend.fused_moe(x, router_logits, w13, w2, top_k, renormalize, **kwargs)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:

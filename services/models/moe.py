@@ -91,13 +91,13 @@ class FusedMoE(nn.Module):
         self.fp8_format = fmt
 
     def forward(self, x):
-        # the router goes to the op, not its logits: a backend may route in its GEMV
-        args = (x, None, self.w13, self.w2, self.top_k, self.renormalize)
+        router_logits = self.gate(x)
+        args = (x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         if self.fp8_format is None:
-            out = self.ops.fused_moe(*args, gate=self.gate)
+            out = self.ops.fused_moe(*args)
         else:
             fp8 = Fp8Experts(self.w13_scale, self.w2_scale, self.fp8_format)
-            out = self.ops.fused_moe(*args, fp8=fp8, gate=self.gate)
+            out = self.ops.fused_moe(*args, fp8=fp8)
         if self.shared_expert is not None:  # routed + gated shared, as transformers sums
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)

@@ -236,27 +236,17 @@ def _moe_gemm(a, b, c, weights, align, top_k_div, gated, cfg, precision, upcast,
     )
 
 
-def takes_gemv_path(tokens: int, w13, top_k: int, config: dict | None, fp8) -> bool:
-    """Whether fused_moe runs moe_gemv's kernels for this call (its config's choice)."""
-    e, two_i, h = w13.shape
-    cfg = config or default_launch(tokens, e, h, two_i // 2, top_k, w13.dtype)
-    return cfg.get("kernel") == "gemv" and fp8 is None
-
-
 def _check(x, router_logits, w13, w2, top_k, fp8=None):
-    """router_logits None: the routing was made already (its weights and ids)."""
-    logits_2d = router_logits is None or router_logits.dim() == 2
-    if x.dim() != 2 or not logits_2d or w13.dim() != 3 or w2.dim() != 3:
+    if x.dim() != 2 or router_logits.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             "fused_moe needs x [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I]"
         )
     t, h = x.shape
     e, two_i, h13 = w13.shape
-    logits_shape = (t, e) if router_logits is None else tuple(router_logits.shape)
-    if logits_shape != (t, e) or h13 != h or two_i % 2:
+    if router_logits.shape != (t, e) or h13 != h or two_i % 2:
         raise ValueError(
             f"fused_moe shapes disagree: x {tuple(x.shape)}, router_logits "
-            f"{logits_shape}, w13 {tuple(w13.shape)}"
+            f"{tuple(router_logits.shape)}, w13 {tuple(w13.shape)}"
         )
     if w2.shape != (e, h, two_i // 2):
         raise ValueError(f"w2 must be [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w2.shape)}")
@@ -301,33 +291,23 @@ def fused_moe(
     *,
     config: dict | None = None,
     fp8: Fp8Experts | None = None,
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """KernelBackend.fused_moe: x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I] -> [T, H] in x's dtype. Any strides; fp32
     accumulation. config: launch settings (keys CONFIG_KEYS, or a GEMV config),
     moe_config.default_launch's when None. fp8: FP8 w13 / w2 with block or channel
-    scales (fp8.Fp8Experts), computed W8A8 as the module doc says. routing: the
-    routing already made (moe_route.gate_route's weights and ids) in place of
-    router_logits (None then), on the GEMV path only (takes_gemv_path)."""
-    if routing is None and router_logits is None:
-        raise ValueError("fused_moe needs router_logits, or the routing made already")
-    if routing is not None:
-        if router_logits is not None or not takes_gemv_path(x.shape[0], w13, top_k, config, fp8):
-            raise ValueError("fused_moe takes routing without router_logits, on the GEMV path")
+    scales (fp8.Fp8Experts), computed W8A8 as the module doc says."""
     _check(x, router_logits, w13, w2, top_k, fp8)
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
     if t == 0 or h == 0 or inter == 0:
         return torch.zeros_like(x)
-    check_device(_moe_gemm_kernel, x, w13, w2, *(() if routing else (router_logits,)))
+    check_device(_moe_gemm_kernel, x, router_logits, w13, w2)
     cfg = _check_config(dict(config or default_launch(t, e, h, inter, top_k, w13.dtype)))
     if cfg.get("kernel") == "gemv":
         if fp8 is not None:
             raise ValueError("the MoE GEMV path (moe_gemv.py) has no FP8 weights")
-        if routing is not None:
-            return fused_moe_gemv(x, None, w13, w2, top_k, renormalize, cfg, routing)
         return fused_moe_gemv(x, router_logits, w13, w2, top_k, renormalize, cfg)
 
     weights, _, *align = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"], x.dtype)

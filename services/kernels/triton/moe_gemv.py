@@ -98,22 +98,14 @@ def _route_kernel(
 @triton.jit
 def _rank_route(logits_ptr, stride_le, E, K: tl.constexpr, RENORMALIZE: tl.constexpr,
                 E_P: tl.constexpr):  # fmt: skip
-    """One token's routing by rank (rank_logits) from its logits in memory."""
-    e_idx = tl.arange(0, E_P)
-    lg = tl.load(logits_ptr + e_idx * stride_le, mask=e_idx < E, other=float("-inf"))
-    return rank_logits(lg, E, K, RENORMALIZE, E_P)
-
-
-@triton.jit
-def rank_logits(lg, E, K: tl.constexpr, RENORMALIZE: tl.constexpr, E_P: tl.constexpr):
     """One token's routing by rank: rank[e] = the experts ahead of e (a larger logit, or
     an equal one at a lower index), so slot s holds the expert of rank s, as the
     repeated-max top-k picks it, in one [E_P, E_P] comparison and one sum instead of K
-    dependent max/min passes. lg: [E_P] logits, -inf past E. Returns (rank [E_P] int32,
-    weight [E_P] fp32: the expert's routing weight, 0 outside the top K)."""
+    dependent max/min passes. Returns (rank [E_P] int32, weight [E_P] fp32: the
+    expert's routing weight, 0 outside the top K)."""
     e_idx = tl.arange(0, E_P)
     e_ok = e_idx < E
-    lg = lg.to(tl.float32)
+    lg = tl.load(logits_ptr + e_idx * stride_le, mask=e_ok, other=float("-inf")).to(tl.float32)
     lj = lg[:, None]
     le = lg[None, :]
     ahead = (lj > le) | ((lj == le) & (e_idx[:, None] < e_idx[None, :]))
@@ -126,20 +118,6 @@ def rank_logits(lg, E, K: tl.constexpr, RENORMALIZE: tl.constexpr, E_P: tl.const
 
 
 @triton.jit
-def store_routing(weights_ptr, ids_ptr, token, rank, weight, K: tl.constexpr,
-                  K_P: tl.constexpr, E_P: tl.constexpr):  # fmt: skip
-    """A token's top K by rank: slot s gets the expert of rank s and its weight."""
-    e_idx = tl.arange(0, E_P)
-    slots = tl.arange(0, K_P)
-    chosen = rank[None, :] == slots[:, None]  # [K_P, E_P]
-    ids = tl.sum(tl.where(chosen, e_idx[None, :], 0), axis=1)
-    w = tl.sum(tl.where(chosen, weight[None, :], 0.0), axis=1)
-    ok = slots < K
-    tl.store(ids_ptr + token * K + slots, ids, mask=ok)
-    tl.store(weights_ptr + token * K + slots, w.to(weights_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _route_rank_kernel(
     logits_ptr, stride_lt, stride_le, weights_ptr, ids_ptr, E,
     K: tl.constexpr, K_P: tl.constexpr, RENORMALIZE: tl.constexpr, E_P: tl.constexpr,
@@ -148,7 +126,14 @@ def _route_rank_kernel(
     pdl_sync(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     rank, weight = _rank_route(logits_ptr + token * stride_lt, stride_le, E, K, RENORMALIZE, E_P)
-    store_routing(weights_ptr, ids_ptr, token, rank, weight, K, K_P, E_P)
+    e_idx = tl.arange(0, E_P)
+    slots = tl.arange(0, K_P)
+    chosen = rank[None, :] == slots[:, None]  # [K_P, E_P]
+    ids = tl.sum(tl.where(chosen, e_idx[None, :], 0), axis=1)
+    w = tl.sum(tl.where(chosen, weight[None, :], 0.0), axis=1)
+    ok = slots < K
+    tl.store(ids_ptr + token * K + slots, ids, mask=ok)
+    tl.store(weights_ptr + token * K + slots, w.to(weights_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -220,22 +205,29 @@ def _down_sum_kernel(
              total.to(out_ptr.dtype.element_ty), mask=n_ok)  # fmt: skip
 
 
-def fused_moe_gemv(
-    x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict, routing=None
-):
-    """moe.fused_moe's contract (checked there) for a config with "kernel": "gemv".
-    routing: (weights, ids) made already (moe_route.gate_route); router_logits is None."""
+def fused_moe_gemv(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict):
+    """moe.fused_moe's contract (checked there) for a config with "kernel": "gemv"."""
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
-    check_device(_gated_kernel, x, w13, w2, *(() if routing else (router_logits,)))
+    check_device(_gated_kernel, x, router_logits, w13, w2)
     cfg = check_gemv_config(config)
     m = t * top_k
+    weights = torch.empty(m, dtype=x.dtype, device=x.device)
+    ids = torch.empty(m, dtype=torch.int32, device=x.device)
     pdl = use_pdl(x)
-    if routing is not None:
-        weights, ids = routing
+    e_p = next_pow2(max(e, 2))
+    lt, le = router_logits.stride(0), router_logits.stride(1)
+    if e_p <= RANK_MAX_EXPERTS:
+        _route_rank_kernel[(t,)](
+            router_logits, lt, le, weights, ids, e, K=top_k, K_P=next_pow2(top_k),
+            RENORMALIZE=renormalize, E_P=e_p, USE_PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     else:
-        weights, ids = _route(router_logits, x.dtype, t, e, top_k, renormalize, pdl)
+        _route_kernel[(triton.cdiv(t, _ROUTE_SUB_T),)](
+            router_logits, lt, le, weights, ids, t, e, K=top_k, K_P=next_pow2(top_k),
+            RENORMALIZE=renormalize, SUB_T=_ROUTE_SUB_T, E_P=e_p, USE_PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
     act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _gated_kernel[(m, triton.cdiv(inter, block_n))](
@@ -259,22 +251,3 @@ def fused_moe_gemv(
         launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-def _route(router_logits, dtype, t: int, e: int, top_k: int, renormalize: bool, pdl: bool):
-    """Routing from router_logits [T, E] -> (weights [T * top_k] in dtype, ids int32)."""
-    weights = torch.empty(t * top_k, dtype=dtype, device=router_logits.device)
-    ids = torch.empty(t * top_k, dtype=torch.int32, device=router_logits.device)
-    e_p = next_pow2(max(e, 2))
-    lt, le = router_logits.stride(0), router_logits.stride(1)
-    if e_p <= RANK_MAX_EXPERTS:
-        _route_rank_kernel[(t,)](
-            router_logits, lt, le, weights, ids, e, K=top_k, K_P=next_pow2(top_k),
-            RENORMALIZE=renormalize, E_P=e_p, USE_PDL=pdl, launch_pdl=pdl,
-        )  # fmt: skip
-    else:
-        _route_kernel[(triton.cdiv(t, _ROUTE_SUB_T),)](
-            router_logits, lt, le, weights, ids, t, e, K=top_k, K_P=next_pow2(top_k),
-            RENORMALIZE=renormalize, SUB_T=_ROUTE_SUB_T, E_P=e_p, USE_PDL=pdl, launch_pdl=pdl,
-        )  # fmt: skip
-    return weights, ids
