@@ -22,11 +22,9 @@ from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, attn_num_splits: int | None = None, attn_merge_last: bool | None = None):
+    def __init__(self, attn_num_splits: int | None = None):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
-        # key splits merged by each q block's last split (None: PDSERVE_TRITON_ATTN_MERGE)
-        self.attn_merge_last = attn_merge_last
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
@@ -122,6 +120,4 @@ class TritonBackend:
             v_scale=v_scale,
             split_decode_rows=split_rows,
             sliding_window=sliding_window,
-            merge_last=self.attn_merge_last,
-            workspace=metadata.backend_data,  # one step's: the merge counters, every layer
         )

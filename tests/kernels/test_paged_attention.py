@@ -28,12 +28,8 @@ MIXED = ([1, 1, 37, 5, 1, 16], [40, 3, 20, 0, 70, 32])
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 1])
-@pytest.mark.parametrize(
-    "splits, merge_last",
-    [(None, False), (4, False), (4, True)],
-    ids=["one_pass", "split_kv", "split_kv_merged_by_the_last"],
-)
-def test_mixed_decode_and_chunked_prefill(dtype, block_size, splits, merge_last, device):
+@pytest.mark.parametrize("splits", [None, 4], ids=["one_pass", "split_kv"])
+def test_mixed_decode_and_chunked_prefill(dtype, block_size, splits, device):
     q, k_cache, v_cache, meta, kv = make_attention_batch(
         *MIXED,
         block_size=block_size,
@@ -45,7 +41,7 @@ def test_mixed_decode_and_chunked_prefill(dtype, block_size, splits, merge_last,
     )
     assert not k_cache.is_contiguous()  # a layer's view of the block-major cache
     kv_before = kv.clone()
-    backend = TritonBackend(attn_num_splits=splits, attn_merge_last=merge_last)
+    backend = TritonBackend(attn_num_splits=splits)
     backend.prepare_attention(meta)
     out = backend.paged_attention(q, k_cache, v_cache, meta, scale=32**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
@@ -90,33 +86,11 @@ def test_decode_only_batch_and_uneven_splits(device):
         seed=2,
     )
     ref = reference_attention(q, k_cache, v_cache, meta, 0.25)
-    for splits, merge_last in ((1, False), (8, False), (8, True)):
-        out = TritonBackend(attn_num_splits=splits, attn_merge_last=merge_last).paged_attention(
+    for splits in (1, 8):
+        out = TritonBackend(attn_num_splits=splits).paged_attention(
             q, k_cache, v_cache, meta, scale=0.25
         )
         assert_close_rel(out, ref, torch.float32)
-
-
-def test_merged_by_the_last_split_leaves_the_counters_zero_for_every_layer(device):
-    """merge_last: each q block's last split to arrive merges all of them and zeroes
-    its counter, so one step's counters (in the metadata) serve layer after layer: three
-    "layers" on different caches, each equal to the reference and, up to the order of
-    the sum, to the separate merge kernel's answer."""
-    backend = TritonBackend(attn_num_splits=4, attn_merge_last=True)
-    separate = TritonBackend(attn_num_splits=4, attn_merge_last=False)
-    meta = None
-    for layer in range(3):
-        q, k_cache, v_cache, layer_meta, _ = make_attention_batch(
-            [1, 1, 1], [30, 64, 7], block_size=16, num_q_heads=8, num_kv_heads=2,
-            head_dim=16, dtype=torch.float32, device=device, seed=10 + layer,
-        )  # fmt: skip
-        meta = meta or layer_meta  # the same lengths and tables: one step's metadata
-        out = backend.paged_attention(q, k_cache, v_cache, meta, scale=0.25)
-        counters = meta.backend_data["attention_merge_counters"]
-        assert counters.numel() >= 3 * 2 and not counters.any(), counters
-        assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.25), torch.float32)
-        expected = separate.paged_attention(q, k_cache, v_cache, meta, scale=0.25)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # summed in another order
 
 
 def test_long_prefill_uses_large_tiles(device):
@@ -189,8 +163,7 @@ def test_config_fits_the_gpus_shared_memory():
     ],
     ids=["decode64", "decode2_long", "mixed"],
 )
-@pytest.mark.parametrize("merge_last", [False, True], ids=["merge_kernel", "merged_by_the_last"])
-def test_llama3_8b_shapes(dtype, batch, merge_last):
+def test_llama3_8b_shapes(dtype, batch):
     q, k_cache, v_cache, meta, _ = make_attention_batch(
         *batch,
         block_size=16,
@@ -202,8 +175,7 @@ def test_llama3_8b_shapes(dtype, batch, merge_last):
         num_layers=2,
         seed=4,
     )
-    backend = TritonBackend(attn_merge_last=merge_last)
-    out = backend.paged_attention(q, k_cache, v_cache, meta, scale=128**-0.5)
+    out = TritonBackend().paged_attention(q, k_cache, v_cache, meta, scale=128**-0.5)
     ref = reference_attention(q, k_cache, v_cache, meta, 128**-0.5)
     assert_close_rel(out, ref, dtype)
 
@@ -219,8 +191,7 @@ def test_llama3_8b_shapes(dtype, batch, merge_last):
     ],
     ids=["decode", "mixed"],
 )
-@pytest.mark.parametrize("merge_last", [False, True], ids=["merge_kernel", "merged_by_the_last"])
-def test_cuda_graph_replay_with_new_metadata(captured, replayed, merge_last):
+def test_cuda_graph_replay_with_new_metadata(captured, replayed):
     """The launch depends on shapes only: a step captured in a CUDA graph replays
     correctly after the metadata tensors are rewritten in place for another batch."""
     q, k_cache, v_cache, meta, _ = make_attention_batch(
@@ -242,7 +213,7 @@ def test_cuda_graph_replay_with_new_metadata(captured, replayed, merge_last):
     meta.cu_seqlens_q.copy_(torch.tensor(cu, dtype=torch.int32))
     meta.seq_lens.copy_(torch.tensor([a + b for a, b in zip(q_lens, ctx)], dtype=torch.int32))
     meta.max_query_len, meta.max_seq_len = max(q_lens), max(a + b for a, b in zip(q_lens, ctx))
-    backend = TritonBackend(attn_merge_last=merge_last)
+    backend = TritonBackend()
     backend.prepare_attention(meta)
     static_q = q.clone()
     stream = torch.cuda.Stream()
@@ -255,8 +226,7 @@ def test_cuda_graph_replay_with_new_metadata(captured, replayed, merge_last):
         out = backend.paged_attention(static_q, k_cache, v_cache, meta, 128**-0.5)
     meta.cu_seqlens_q.copy_(want_cu)
     meta.seq_lens.copy_(want_lens)
-    for _ in range(3):  # the merge counters are zero again after every replay
-        graph.replay()
+    graph.replay()
     torch.cuda.synchronize()
     assert_close_rel(out, expected, torch.bfloat16)
 
@@ -299,35 +269,3 @@ def test_captured_mixed_step_layout(split, device):
         split_decode_rows=split,
     )
     assert_close_rel(out, ref, dtype)
-
-
-@pytest.mark.parametrize("value, merged", [("last", True), ("separate", False), (None, False)])
-def test_the_merge_follows_its_environment_variable(value, merged, monkeypatch, device):
-    """PDSERVE_TRITON_ATTN_MERGE (the A/B switch of a backend left at None): "last"
-    merges in the attention kernel, which keeps its counters in the step's metadata;
-    "separate", or unset, runs the separate merge kernel."""
-    from services.kernels.triton.attention import MERGE_ENV
-
-    if value is None:
-        monkeypatch.delenv(MERGE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(MERGE_ENV, value)
-    q, k_cache, v_cache, meta, _ = make_attention_batch(
-        [1, 1], [40, 9], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=16,
-        dtype=torch.float32, device=device, seed=7,
-    )  # fmt: skip
-    out = TritonBackend(attn_num_splits=4).paged_attention(q, k_cache, v_cache, meta, scale=0.25)
-    assert_close_rel(out, reference_attention(q, k_cache, v_cache, meta, 0.25), torch.float32)
-    assert ("attention_merge_counters" in meta.backend_data) == merged
-
-
-def test_a_mistyped_merge_switch_is_refused_naming_it(monkeypatch, device):
-    from services.kernels.triton.attention import MERGE_ENV
-
-    monkeypatch.setenv(MERGE_ENV, "Last")
-    q, k_cache, v_cache, meta, _ = make_attention_batch(
-        [1], [40], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=16,
-        dtype=torch.float32, device=device, seed=7,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=MERGE_ENV):
-        TritonBackend(attn_num_splits=4).paged_attention(q, k_cache, v_cache, meta, scale=0.25)

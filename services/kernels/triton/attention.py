@@ -18,9 +18,10 @@ Grid: (q_blocks, num_kv_heads, num_splits).
   cu_seqlens_q and exits if it is past that sequence's rows.
 - num_splits > 1 (flash-decoding): the key range of each q block is cut into
   num_splits parts; each writes an unnormalised partial (acc, running max, running
-  sum) to fp32 scratch and a second kernel merges them, or the q block's last split
-  to finish does (merge_last; attention_merge.py): for batches with too few
-  (q block, kv head) programs to fill the GPU (small decode batches, long contexts).
+  sum) to fp32 scratch and a second kernel merges them (attention_merge.py): for
+  batches with too few (q block, kv head) programs to fill the GPU (small decode
+  batches, long contexts). Merging in the kernel, by each q block's last split to
+  finish, measured slower at every split count tried (docs/performance.md).
 
 Keys are walked in tiles of TILE_N positions. Each position's block id comes from the
 block table (so any block size works, 1 included, and tiles may straddle blocks) and
@@ -50,23 +51,15 @@ from services.kernels.triton._launch import (
     check_device,
     device_smem,
     device_sms,
-    env_switch,
     is_interpreted,
     next_pow2,
     pdl_sync,
     use_pdl,
 )
 from services.kernels.triton.attention_config import attention_config
-from services.kernels.triton.attention_merge import (
-    merge_counters,
-    merge_rows,
-    merge_splits_kernel,
-    store_rows,
-)
+from services.kernels.triton.attention_merge import merge_splits_kernel, store_rows
 
 _LOG2E = 1.4426950408889634
-# "last": key splits merged by each q block's last split, not a second kernel (A/B)
-MERGE_ENV = "PDSERVE_TRITON_ATTN_MERGE"
 
 
 # Ints that vary from batch to batch are not specialized: Triton would compile another
@@ -85,7 +78,6 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_P] fp32, only when NUM_SPLITS > 1
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32 (running max, running sum)
-    counters_ptr,  # MERGE_LAST: [q_blocks * Hk] int32, zero between launches
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache; KV_F16: without the softmax scale)
     q_scale,  # KV_F16: the softmax scale, applied to q before its fp16 cast; else unused
     v_scale,  # FP8 cache: the accumulator's factor; else unused
@@ -121,7 +113,6 @@ def _paged_attention_kernel(
     KV_F16: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
     SLIDING: tl.constexpr,
-    MERGE_LAST: tl.constexpr,  # NUM_SPLITS > 1: the q block's last split merges them all
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)
@@ -253,16 +244,6 @@ def _paged_attention_kernel(
         )
         tl.store(part_ml_ptr + row_base * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row_base * 2 + 1, l_i, mask=row_ok)
-        if MERGE_LAST:
-            tl.debug_barrier()  # every thread's partial is stored before the count says so
-            counter = counters_ptr + q_block * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == NUM_SPLITS - 1:  # the others' partials are all visible now
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch (graph replays)
-                merge_rows(
-                    out_ptr, part_acc_ptr, part_ml_ptr, tok, head, row_ok, offs_d, stride_ot,
-                    stride_oh, stride_od, num_q_heads, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, BLOCK_M,
-                )  # fmt: skip
     else:
         store_rows(out_ptr, acc, l_i, tok, head, offs_d, stride_ot, stride_oh, stride_od,
                    row_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -285,8 +266,6 @@ def paged_attention(
     v_scale: float | None = None,
     split_decode_rows: bool = False,
     sliding_window: int | None = None,
-    merge_last: bool | None = None,
-    workspace: dict | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
@@ -296,13 +275,7 @@ def paged_attention(
     decode configuration and the longer ones at this batch's; a single configuration
     sized for long queries gives each decode row a whole prefill tile (mostly idle).
     Lengths stay on the device: both grids cover every sequence and skip the others'.
-    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p).
-    merge_last: with key splits, the last split of each q block to finish merges them
-    (an arrival counter per q block), instead of a second kernel; None: the
-    PDSERVE_TRITON_ATTN_MERGE environment variable ("last"; default "separate").
-    workspace: a dict kept for one step (AttentionMetadata.backend_data) where the
-    counters live from one layer to the next: zeroed once, each launch leaves them
-    zero (None: zeroed per call)."""
+    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p)."""
     kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -353,14 +326,6 @@ def paged_attention(
         )
     else:
         part_acc = part_ml = out  # unused
-    if merge_last is None:
-        merge_last = env_switch(MERGE_ENV, "separate", ("separate", "last")) == "last"
-    merge_last = merge_last and splits > 1
-    counters = (
-        merge_counters(workspace, cfg["num_q_blocks"] * num_kv_heads, q.device)
-        if merge_last
-        else out
-    )
     # fp32 compute: exact fp32 products (no tf32); 16-bit: the target default
     compute_dtype = q.dtype if kv_fp8 else k_cache.dtype
     precision = "ieee" if compute_dtype == torch.float32 else None
@@ -382,7 +347,6 @@ def paged_attention(
             cu_seqlens_q,
             part_acc,
             part_ml,
-            counters,
             qk_scale,
             float(scale),
             1.0 if v_scale is None else float(v_scale),
@@ -408,13 +372,12 @@ def paged_attention(
             KV_F16=kv_f16,
             ROWS=rows,
             SLIDING=sliding_window is not None,
-            MERGE_LAST=merge_last,
             USE_PDL=pdl,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
             launch_pdl=pdl,
         )
-    if splits > 1 and not merge_last:
+    if splits > 1:
         n_rows = n_tokens * num_q_heads
         block_r = min(next_pow2(n_rows), 64) if interp else 1
         merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
