@@ -41,6 +41,7 @@ from services.kernels import aiter_shims
 from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import (
     AttentionMetadata,
+    add_rms_norm_linear_unfused,
     kv_cache_is_fp8,
     rope_and_store_kv_unfused,
 )
@@ -159,6 +160,9 @@ class AiterBackend:
         return out.view(shape), res_out.view(shape)
 
     # ---- rope --------------------------------------------------------------------
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
+        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
         head_dim = q.shape[-1]
         ok = (

@@ -74,6 +74,20 @@ class KernelBackend(Protocol):
         """Returns (rms_norm(x + residual), x + residual)."""
         ...
 
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        layer: torch.nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(linear(normed, layer), normed, x + residual) for normed =
+        fused_add_rms_norm(x, residual, norm_weight, eps)[0]: a layer's norm and the
+        first linear that reads it. A backend may fold the norm into the linear's
+        kernel (triton: one decode row); add_rms_norm_linear_unfused is the definition."""
+        ...
+
     def rotary_embedding(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +205,12 @@ def rope_and_store_kv_unfused(
     q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
     ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+def add_rms_norm_linear_unfused(ops: KernelBackend, x, residual, norm_weight, eps, layer):
+    """KernelBackend.add_rms_norm_linear through `ops`' separate ops (its definition)."""
+    normed, residual = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return ops.linear(normed, layer), normed, residual
 
 
 def mixes_decode_rows(metadata: AttentionMetadata) -> bool:

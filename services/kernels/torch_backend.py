@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from services.kernels.fp8 import fp8_format_of, fp8_linear_reference, fused_moe_fp8_reference
 from services.kernels.interface import (
     AttentionMetadata,
+    add_rms_norm_linear_unfused,
     kv_cache_is_fp8,
     rope_and_store_kv_unfused,
 )
@@ -37,6 +38,9 @@ class TorchBackend:
     def fused_add_rms_norm(self, x, residual, weight, eps):
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
+        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
         cos_sin = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D]

@@ -16,25 +16,40 @@ from services.kernels.interface import (
     mixes_decode_rows,
     rope_and_store_kv_unfused,
 )
-from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS
+from services.kernels.triton import fp8_gemv, norm_fold
+from services.kernels.triton._launch import env_switch
+from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS, launch_config
+
+# "0" keeps each layer's RMSNorm a kernel of its own (an A/B switch for benchmarks);
+# "1" folds it into the next one-row GEMV where that pays (norm_fold.py)
+NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
+
+
+def _row_settings(config):
+    # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
+    # K-loop depth and tile the tuner measured fastest here (the defaults if None)
+    if config is None:
+        return None, None
+    fold = config.get("row_fold")
+    return config["row_stages"], None if fold is None else tuple(map(int, fold))
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, attn_num_splits: int | None = None):
+    def __init__(self, attn_num_splits: int | None = None, norm_fold: bool | None = None):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
+        # add_rms_norm_linear folds the norm into a one-row GEMV (None: the environment)
+        if norm_fold is None:
+            norm_fold = env_switch(NORM_FOLD_ENV, "1", ("0", "1")) == "1"
+        self.norm_fold = norm_fold
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
 
     def linear(self, x, layer, config=None):
-        # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
-        # K-loop depth and tile the tuner measured fastest here (the defaults if None)
-        row_stages = None if config is None else config["row_stages"]
-        fold = None if config is None else config.get("row_fold")
-        row_fold = None if fold is None else tuple(map(int, fold))
+        row_stages, row_fold = _row_settings(config)
         if fp8_format_of(layer) is not None:  # FP8 weights: our block/channel-scaled GEMM
             return tk.fp8_linear(x, layer, row_stages, row_fold)
         # cuBLAS beats Triton GEMMs on the H200 (docs/performance.md), but its GEMV for a few
@@ -49,6 +64,45 @@ class TritonBackend:
             )
             return out.view(*x.shape[:-1], weight.shape[0])
         return torch.nn.functional.linear(x, weight, layer.bias)
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, config=None):
+        if self.norm_fold:
+            folded = self._folded(x, residual, norm_weight, eps, layer, config)
+            if folded is not None:
+                return folded
+        normed, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, layer, config), normed, residual
+
+    def _folded(self, x, residual, norm_weight, eps, layer, config):
+        """The norm folded into the linear's one-row GEMV (bf16 or FP8), or None where
+        that GEMV does not take this row or the fold would not pay (norm_fold.py): then
+        the norm runs on its own."""
+        k = x.shape[-1]
+        if x.numel() != k or residual.shape != x.shape:
+            return None
+        if not x.dtype == residual.dtype == norm_weight.dtype:
+            return None
+        row_stages, row_fold = _row_settings(config)
+        weight, fmt = layer.weight, fp8_format_of(layer)
+        row, n = x.reshape(1, k), weight.shape[0]
+        args = (row, residual.reshape(1, k), norm_weight, eps, weight)
+        if fmt is not None:
+            if not fp8_gemv.supports(1, fmt, weight):
+                return None
+            cfg = fp8_gemv.launch_config(row, n, fmt, None, row_stages, row_fold)
+            if not norm_fold.fold_pays(row, n, cfg.block_n):
+                return None
+            out, normed, res = fp8_gemv.add_rms_norm_fp8_gemv(
+                *args, layer.weight_scale, fmt, layer.bias, config=cfg
+            )
+        elif x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.is_contiguous():
+            cfg = launch_config(row, n, None, row_stages, row_fold)
+            if not norm_fold.fold_pays(row, n, cfg.block_n):
+                return None
+            out, normed, res = norm_fold.add_rms_norm_gemv(*args, layer.bias, config=cfg)
+        else:
+            return None
+        return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)
 
     def rms_norm(self, x, weight, eps):
         return tk.rms_norm(x, weight, eps)

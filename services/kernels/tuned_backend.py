@@ -11,7 +11,11 @@ import logging
 import torch
 
 from services.kernels.fp8 import fp8_format_of
-from services.kernels.interface import AttentionMetadata, rope_and_store_kv_unfused
+from services.kernels.interface import (
+    AttentionMetadata,
+    add_rms_norm_linear_unfused,
+    rope_and_store_kv_unfused,
+)
 from services.kernels.shape_classes import (
     KernelShapes,
     all_keys,
@@ -70,7 +74,9 @@ class TunedBackend:
                 self._memo[op, num_tokens] = backend
         return backend
 
-    def linear(self, x, layer):
+    def _linear_pick(self, x, layer) -> tuple[object, dict | None]:
+        """The backend chosen for this linear at x's token count, and the launch
+        settings tuned with it (None: its defaults)."""
         # FP8 weights have their own op: their candidates and winners differ
         op = "fp8_linear" if fp8_format_of(layer) is not None else "linear"
         if op == "fp8_linear" and not self._fp8:
@@ -80,15 +86,28 @@ class TunedBackend:
             )
         n = x.shape[0]
         picked = self._linear_memo.get((op, n))
-        if picked is None:  # the backend and the launch settings tuned with it, if any
+        if picked is None:
             key = f"{op}.{token_class(n)}"
             picked = self._pick[key], self.configs.get(key)
             if n <= _MEMO_TOKENS:
                 self._linear_memo[op, n] = picked
-        backend, config = picked
+        return picked
+
+    def linear(self, x, layer):
+        backend, config = self._linear_pick(x, layer)
         if config is None:
             return backend.linear(x, layer)
         return backend.linear(x, layer, config=config)
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
+        backend, config = self._linear_pick(x, layer)
+        if backend is not self._by_tokens("fused_add_rms_norm", x.shape[0]):
+            # each op on its own winner
+            return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
+        args = (x, residual, norm_weight, eps, layer)  # one backend won both: its own fold
+        if config is None:
+            return backend.add_rms_norm_linear(*args)
+        return backend.add_rms_norm_linear(*args, config=config)
 
     def rms_norm(self, x, weight, eps):
         return self._by_tokens("rms_norm", x.shape[0]).rms_norm(x, weight, eps)

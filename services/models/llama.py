@@ -36,6 +36,12 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def into(self, linear: nn.Module, x, residual):
+        """(linear(normed), normed, x + residual) for normed, x + residual = self(x,
+        residual): the norm and the first linear that reads it, which the backend may
+        fold into one kernel. linear: a layer ops.linear computes (no all-reduce)."""
+        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, linear)
+
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache. The runner points k_cache / v_cache at
@@ -83,7 +89,10 @@ class Attention(nn.Module):
         self.v_scale: float | None = None
 
     def forward(self, positions, hidden, cos_sin, meta: AttentionMetadata):
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), cos_sin, meta)
+
+    def attend(self, positions, qkv, cos_sin, meta: AttentionMetadata):
+        """The layer from its qkv projection's output on."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -125,8 +134,18 @@ class MLP(nn.Module):
             inter, config.hidden_size, bias, ops, tp, reduce_results=reduce_results
         )
 
+    @property
+    def entry_linear(self) -> nn.Module:
+        """The linear that reads the layer's input first (DecoderLayer folds the norm
+        before it into it)."""
+        return self.gate_up_proj
+
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.forward_from_entry(self.gate_up_proj(x), x)
+
+    def forward_from_entry(self, gate_up, x):
+        """The layer from entry_linear's output on (x: the layer's input)."""
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -138,14 +157,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, cos_sin, meta):
+        # each norm goes in with the linear after it: the backend may fold them together
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.self_attn(positions, self.input_layernorm(hidden), cos_sin, meta)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            qkv, _, residual = self.input_layernorm.into(self.self_attn.qkv_proj, hidden, residual)
+            hidden = self.self_attn.attend(positions, qkv, cos_sin, meta)
+        entry, hidden, residual = self.post_attention_layernorm.into(
+            self.mlp.entry_linear, hidden, residual
+        )
+        return self.mlp.forward_from_entry(entry, hidden), residual
 
 
 class LlamaModel(nn.Module):

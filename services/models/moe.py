@@ -90,8 +90,17 @@ class FusedMoE(nn.Module):
         self.w2_scale = param(*shape2, dtype=torch.float32)
         self.fp8_format = fmt
 
+    @property
+    def entry_linear(self) -> nn.Module:
+        """The router: the linear that reads the layer's input first (DecoderLayer folds
+        the norm before it into it)."""
+        return self.gate
+
     def forward(self, x):
-        router_logits = self.gate(x)
+        return self.forward_from_entry(self.gate(x), x)
+
+    def forward_from_entry(self, router_logits, x):
+        """The layer from the router's logits on (x: the layer's input)."""
         args = (x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         if self.fp8_format is None:
             out = self.ops.fused_moe(*args)

@@ -184,8 +184,8 @@ def test_row_stages_deepen_one_rows_k_loop_only(device, monkeypatch):
 
     gemv_mod = importlib.import_module("services.kernels.triton.gemv")  # not the function
     launched = []
-    real = gemv_mod._launch
-    monkeypatch.setattr(gemv_mod, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    real = gemv_mod.launch
+    monkeypatch.setattr(gemv_mod, "launch", lambda *a: launched.append(a[-1]) or real(*a))
     w = _randn(N, K, dtype=torch.float32, device=device, seed=54, scale=K**-0.5)
     for m in (1, 5):
         x = _randn(m, K, dtype=torch.float32, device=device, seed=55)

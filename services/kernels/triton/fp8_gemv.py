@@ -39,6 +39,7 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by, reciprocal_rn
 from services.kernels.triton.gemv import check_k_fold, folded, with_row_fold
+from services.kernels.triton.norm import normed_cols, row_rstd
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
 # a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
@@ -122,11 +123,23 @@ def _load_w(w_ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_at(x_ptr, cols, K, EVEN_K: tl.constexpr, norm, HAS_NORM: tl.constexpr):
+    """x at cols as fp32: loaded, or with the norm folded in (norm = (res_ptr, nw_ptr,
+    res_out_ptr, x_out_ptr, rstd, store)) normalised from h + res."""
+    if HAS_NORM:
+        return normed_cols(x_ptr, norm[0], norm[1], norm[2], norm[3], cols, cols < K, norm[4],
+                           norm[5])  # fmt: skip
+    if EVEN_K:
+        return tl.load(x_ptr + cols).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _fp8_tile(
     part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
     GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     FP8_MAX_: tl.constexpr, MIN_AMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr, norm, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     """part + one K tile's products: x quantized and dequantized, times W's tile."""
     if GRANULARITY == 0:
@@ -135,10 +148,7 @@ def _fp8_tile(
         G: tl.constexpr = BLOCK_K // GROUP
         offs_g = tl.arange(0, G)
         cols = k + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        if EVEN_K:
-            x2 = tl.load(x_ptr + cols).to(tl.float32)
-        else:
-            x2 = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        x2 = _x_at(x_ptr, cols, K, EVEN_K, norm, HAS_NORM)
         s = activation_scale(tl.max(tl.abs(x2), axis=1), MIN_AMAX, FP8_MAX_)
         inv_s = reciprocal_rn(s)
         g_idx = k // GROUP + offs_g
@@ -147,10 +157,7 @@ def _fp8_tile(
         xd2 = q * (s * ws)[:, None]
         xd = tl.reshape(xd2, [BLOCK_K])
     else:
-        if EVEN_K:
-            x = tl.load(x_ptr + k + offs_k).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0).to(tl.float32)
+        x = _x_at(x_ptr, k + offs_k, K, EVEN_K, norm, HAS_NORM)
         xd = _quantized(x, x_scale, inv_x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
     return part + folded(w.to(tl.float32) * xd[None, :], FOLD)
 
@@ -180,6 +187,12 @@ def _fp8_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     FOLD: tl.constexpr,  # Fp8GemvConfig.k_fold
+    res_ptr,  # HAS_NORM: x is h, and the row quantized is rms_norm(h + res) * nw
+    nw_ptr,
+    res_out_ptr,  # HAS_NORM: h + res and the normalised row, stored by program 0
+    x_out_ptr,
+    eps,
+    HAS_NORM: tl.constexpr,
 ):
     fp8_ty = w_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -192,14 +205,18 @@ def _fp8_gemv_kernel(
     if USE_PDL:  # the first weight tile loads while the previous kernel drains
         w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
         pdl_sync(USE_PDL)
-
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = row_rstd(x_ptr, res_ptr, K, eps, BLOCK_K)
+    norm = (res_ptr, nw_ptr, res_out_ptr, x_out_ptr, rstd, pid == 0)
     x_scale = 1.0
     inv_x_scale = 1.0
     if GRANULARITY != 0:  # one activation scale per row: amax over all of K first
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        no_store = (res_ptr, nw_ptr, res_out_ptr, x_out_ptr, rstd, False)
         for k in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            x = _x_at(x_ptr, k + offs_k, K, False, no_store, HAS_NORM)
+            amax = tl.maximum(amax, tl.abs(x))
         x_scale = activation_scale(tl.max(amax, axis=0), MIN_AMAX, FP8_MAX_)
         inv_x_scale = reciprocal_rn(x_scale)
 
@@ -211,6 +228,7 @@ def _fp8_gemv_kernel(
         part = _fp8_tile(
             part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, 0, offs_k, K,
             GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
+            norm, HAS_NORM,
         )  # fmt: skip
         w_ptrs += BLOCK_K
         k_loop = BLOCK_K
@@ -219,6 +237,7 @@ def _fp8_gemv_kernel(
         part = _fp8_tile(
             part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
             GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
+            norm, HAS_NORM,
         )  # fmt: skip
         w_ptrs += BLOCK_K
     acc = tl.sum(part, axis=1)
@@ -247,31 +266,80 @@ def fp8_gemv(
     """x [1, K] -> [1, N] in x's dtype: fp8.fp8_linear_reference's math in one launch.
     num_stages: the K loop's depth in place of the config's (the kernel tuner's pick);
     fold: (block_k, k_fold, num_warps[, block_n]) in place of the config's, likewise."""
+    _check(x, fmt, weight)
+    return _run(x.contiguous(), weight, weight_scale, fmt, bias, config, num_stages, fold)
+
+
+def add_rms_norm_fp8_gemv(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    fmt: Fp8Format,
+    bias: torch.Tensor | None,
+    *,
+    config: Fp8GemvConfig | None = None,
+    num_stages: int | None = None,
+    fold: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8_gemv(x, ...), x, h + residual) for x = fused_add_rms_norm(h, residual,
+    norm_weight, eps)[0], in one launch (gemv.add_rms_norm_gemv's fold: each program
+    finds the row's rms first, then quantizes the normalised row as fp8_gemv would)."""
+    _check(h, fmt, weight)
+    if residual.shape != h.shape or norm_weight.shape != h.shape[1:]:
+        raise ValueError(
+            f"add_rms_norm_fp8_gemv takes h and residual [1, K] and norm_weight [K]; got "
+            f"{tuple(h.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+        )
+    if residual.dtype != h.dtype or norm_weight.dtype != h.dtype:
+        raise ValueError(
+            f"add_rms_norm_fp8_gemv needs h, residual and norm_weight of one dtype, got "
+            f"{h.dtype}, {residual.dtype} and {norm_weight.dtype}"
+        )
+    h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
+    normed, res_out = torch.empty_like(h), torch.empty_like(h)
+    norm = (residual, norm_weight, res_out, normed, eps)
+    out = _run(h, weight, weight_scale, fmt, bias, config, num_stages, fold, norm)
+    return out, normed, res_out
+
+
+def _check(x, fmt, weight) -> None:
     if not supports(x.shape[0], fmt, weight):  # before the device: a shape error reads first
         raise ValueError(
             f"fp8_gemv takes one row and a row-major weight with power-of-two blocks; got "
             f"x {tuple(x.shape)}, weight strides {weight.stride()}, {fmt}"
         )
     check_device(_fp8_gemv_kernel, x, weight)
+
+
+def launch_config(x, n: int, fmt: Fp8Format, config=None, num_stages=None, fold=None):
+    """The config fp8_gemv launches for x [1, K] and an [n, K] weight of format fmt:
+    `config`, or the interpreter's or this GPU's default, with num_stages and fold."""
     k = x.shape[1]
-    n = weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
-    x = x.contiguous()
-    interpreted = is_interpreted(_fp8_gemv_kernel)
     if config is None:
         # the interpreter pays per program and per loop step: few, big tiles
         config = (
             Fp8GemvConfig(min(64, next_pow2(n)), 512)
-            if interpreted
+            if is_interpreted(_fp8_gemv_kernel)
             else default_config(n, k, fmt, device_sms(x))
         )
     if num_stages is not None:
         config = replace(config, num_stages=num_stages)
     if fold is not None:
         config = with_row_fold(config, fold)
-    cfg = _fit(config, k, fmt)
+    return _fit(config, k, fmt)
+
+
+def _run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None):
+    k = x.shape[1]
+    n = weight.shape[0]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    interpreted = is_interpreted(_fp8_gemv_kernel)
+    cfg = launch_config(x, n, fmt, config, num_stages, fold)
     if fmt.granularity == "block":
         ws_strides = (weight_scale.stride(0), weight_scale.stride(1))
         group, scale_n = fmt.block_k, fmt.block_n
@@ -302,6 +370,12 @@ def fp8_gemv(
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         FOLD=cfg.k_fold,
+        res_ptr=x if norm is None else norm[0],
+        nw_ptr=x if norm is None else norm[1],
+        res_out_ptr=x if norm is None else norm[2],
+        x_out_ptr=x if norm is None else norm[3],
+        eps=0.0 if norm is None else float(norm[4]),
+        HAS_NORM=norm is not None,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )

@@ -34,6 +34,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
+from services.kernels.triton.norm import normed_cols, row_rstd
 
 GEMV_MAX_ROWS = 8
 GEMV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -138,6 +139,17 @@ def _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptrs, k, offs_k, k_end, EVEN_K: tl.constexpr, h_ptr, res_ptr, nw_ptr,
+            res_out_ptr, x_out_ptr, rstd, HAS_NORM: tl.constexpr, STORE):  # fmt: skip
+    # one row's x tile [1, BLOCK_K]: loaded, or normalised from h + res (norm folded in)
+    if HAS_NORM:
+        cols = (k + offs_k)[None, :]
+        return normed_cols(h_ptr, res_ptr, nw_ptr, res_out_ptr, x_out_ptr, cols, cols < k_end,
+                           rstd, STORE)  # fmt: skip
+    return _load_tile(x_ptrs, k, offs_k, k_end, EVEN_K).to(tl.float32)
+
+
+@triton.jit
 def folded(prod, FOLD: tl.constexpr):
     """prod [rows, cols] with each run of FOLD adjacent columns summed (in registers:
     a thread's loads hold adjacent columns)."""
@@ -172,6 +184,12 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,  # one row: W tiles in flight (cp.async into shared memory)
     USE_PDL: tl.constexpr,
     FOLD: tl.constexpr,  # one row: GemvConfig.k_fold
+    res_ptr,  # HAS_NORM: x is h, and the row multiplied is rms_norm(h + res) * nw
+    nw_ptr,
+    res_out_ptr,  # HAS_NORM: h + res and the normalised row, stored by the first programs
+    x_out_ptr,
+    eps,
+    HAS_NORM: tl.constexpr,  # one row only (norm_fold.add_rms_norm_gemv)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -192,16 +210,24 @@ def _gemv_kernel(
         # reduction after the loop (5-25% faster than a padded tensor-core tile).
         part = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
         k_loop = k_start
+        rstd = 1.0
         if USE_PDL:  # the first weight tile loads while the previous kernel drains
             w = _load_tile(w_ptrs, k_start, offs_k, k_end, EVEN_K)
             pdl_sync(USE_PDL)
-            x = _load_tile(x_ptrs, k_start, offs_k, k_end, EVEN_K)
+            if HAS_NORM:
+                rstd = row_rstd(x_ptr, res_ptr, K, eps, BLOCK_K)
+            x = _x_tile(x_ptrs, k_start, offs_k, k_end, EVEN_K, x_ptr, res_ptr, nw_ptr,
+                        res_out_ptr, x_out_ptr, rstd, HAS_NORM, pid_n == 0)  # fmt: skip
             part += folded(w.to(tl.float32) * x.to(tl.float32), FOLD)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
             k_loop += BLOCK_K
+        elif HAS_NORM:
+            rstd = row_rstd(x_ptr, res_ptr, K, eps, BLOCK_K)
         for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            w, x = _load_tiles(w_ptrs, x_ptrs, k, offs_k, k_end, EVEN_K)
+            w = _load_tile(w_ptrs, k, offs_k, k_end, EVEN_K)
+            x = _x_tile(x_ptrs, k, offs_k, k_end, EVEN_K, x_ptr, res_ptr, nw_ptr,
+                        res_out_ptr, x_out_ptr, rstd, HAS_NORM, pid_n == 0)  # fmt: skip
             part += folded(w.to(tl.float32) * x.to(tl.float32), FOLD)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K * stride_xk
@@ -294,6 +320,15 @@ def gemv(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     check_device(_gemv_kernel, x, weight, *(() if bias is None else (bias,)))
+    config = launch_config(x, n, config, row_stages, row_fold)
+    launch(x, weight, bias, out, config)
+    return out
+
+
+def launch_config(x, n: int, config=None, row_stages=None, row_fold=None) -> GemvConfig:
+    """The config gemv launches for x [M, K] and an [n, K] weight: `config`, or the
+    interpreter's or this GPU's default; row_stages and row_fold apply to one row."""
+    m, k = x.shape
     if config is None:
         config = (
             _interpreter_config(n, k)
@@ -304,11 +339,12 @@ def gemv(
         config = replace(config, num_stages=row_stages)
     if row_fold is not None and m == 1:
         config = with_row_fold(config, row_fold)
-    _launch(x, weight, bias, out, config)
-    return out
+    return config
 
 
-def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
+def launch(x, weight, bias, out, cfg: GemvConfig, norm=None) -> None:
+    """The GEMV into out. norm (one row; norm_fold.py): (residual, norm_weight,
+    residual_out, normed_out, eps), x then being the h of fused_add_rms_norm(h, residual)."""
     m, k = x.shape
     n = weight.shape[0]
     block_k = cfg.block_k
@@ -342,6 +378,12 @@ def _launch(x, weight, bias, out, cfg: GemvConfig) -> None:
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         FOLD=min(cfg.k_fold, block_k) if m == 1 else 1,
+        res_ptr=x if norm is None else norm[0],
+        nw_ptr=x if norm is None else norm[1],
+        res_out_ptr=x if norm is None else norm[2],
+        x_out_ptr=x if norm is None else norm[3],
+        eps=0.0 if norm is None else float(norm[4]),
+        HAS_NORM=norm is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

@@ -76,6 +76,38 @@ def _rms_norm_kernel(
     tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def row_rstd(h_ptr, res_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / rms of one row of h + res, the sum rounded to res's dtype first (as
+    fused_add_rms_norm stores it): the prologue of a linear that folds the norm in."""
+    offs = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ok = (k + offs) < K
+        h = tl.load(h_ptr + k + offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + k + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (h + r).to(res_ptr.dtype.element_ty).to(tl.float32)
+        sq += s * s
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def normed_cols(h_ptr, res_ptr, nw_ptr, res_out_ptr, x_out_ptr, cols, mask, rstd, STORE):
+    """fused_add_rms_norm of one row at cols (any shape), rounded as its kernel rounds,
+    as fp32; with STORE (one program of the linear) h + res and the normalised values
+    are stored too, so the layer's later readers (the next residual, a MoE's experts)
+    find what the norm kernel would have written."""
+    ty = res_ptr.dtype.element_ty
+    h = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (h + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(ty)
+    y = (s.to(tl.float32) * rstd).to(ty).to(tl.float32)
+    x = (y * tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(ty)
+    if STORE:
+        tl.store(res_out_ptr + cols, s, mask=mask)
+        tl.store(x_out_ptr + cols, x, mask=mask)
+    return x.to(tl.float32)
+
+
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """(tensor, n_rows, inner, stride0, stride1): rows addressed as two strided dims, so
     q/k head views of a fused qkv output need no copy."""

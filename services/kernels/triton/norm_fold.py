@@ -1,0 +1,70 @@
+"""A decoder layer's residual add + RMSNorm folded into the one-row GEMV that reads its
+output first: one launch instead of two, and no hand-off between them.
+
+Each program of the GEMV computes the row's rms from h + residual itself (row_rstd in
+norm.py, before its K loop, while its first weight tile loads), then builds every x
+tile from h, residual and the norm's weight as fused_add_rms_norm rounds them
+(normed_cols); the first program stores h + residual (the next residual) and the
+normalised row (what a MoE's experts read after the router). gemv.py and fp8_gemv.py
+carry it as HAS_NORM; add_rms_norm_gemv here and fp8_gemv.add_rms_norm_fp8_gemv launch it.
+
+When it pays: every program re-reads the whole row from L2 (h and residual for the rms,
+then h, residual and the weight per tile, where a plain GEMV reads x once per tile).
+On an H100 (batch 1, docs/performance.md) folding every norm made Llama-3-8B slower
+(bf16 5.54 -> 5.66 ms, FP8 3.52 -> 3.57: qkv and gate_up launch 1,500-7,000 programs)
+and Qwen3-30B-A3B faster (3.33 -> 3.28 ms). So a norm is folded only into a GEMV of at
+most FOLD_MAX_PROGRAMS_PER_SM programs per SM (a MoE's router: 128 rows)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from services.kernels.triton._launch import check_device, device_sms, is_interpreted
+from services.kernels.triton.gemv import _check, _gemv_kernel, launch, launch_config
+
+FOLD_MAX_PROGRAMS_PER_SM = 1
+
+
+def fold_pays(x: torch.Tensor, n: int, block_n: int) -> bool:
+    """Whether folding the norm into a GEMV of n output rows, block_n per program, beats
+    the norm's own kernel on x's GPU (always true under the interpreter, so CPU tests
+    run the fold)."""
+    if is_interpreted(_gemv_kernel):
+        return True
+    return triton.cdiv(n, block_n) <= FOLD_MAX_PROGRAMS_PER_SM * device_sms(x)
+
+
+def add_rms_norm_gemv(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config=None,
+    row_stages: int | None = None,
+    row_fold: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gemv(x, weight, bias), x, h + residual) for x = fused_add_rms_norm(h, residual,
+    norm_weight, eps)[0], one row, in one launch. config, row_stages, row_fold: as gemv's."""
+    _check(h, weight, bias)
+    if h.shape[0] != 1 or residual.shape != h.shape or norm_weight.shape != h.shape[1:]:
+        raise ValueError(
+            f"add_rms_norm_gemv takes one row: h and residual [1, K], norm_weight [K]; got "
+            f"{tuple(h.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+        )
+    if residual.dtype != h.dtype or norm_weight.dtype != h.dtype:
+        raise ValueError(
+            f"add_rms_norm_gemv needs h, residual and norm_weight of one dtype, got "
+            f"{h.dtype}, {residual.dtype} and {norm_weight.dtype}"
+        )
+    check_device(_gemv_kernel, h, residual, norm_weight, weight)
+    h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
+    n = weight.shape[0]
+    out = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    normed, res_out = torch.empty_like(h), torch.empty_like(h)
+    cfg = launch_config(h, n, config, row_stages, row_fold)
+    launch(h, weight, bias, out, cfg, norm=(residual, norm_weight, res_out, normed, eps))
+    return out, normed, res_out
