@@ -90,7 +90,7 @@ class TritonBackend:
             if not fp8_gemv.supports(1, fmt, weight):
                 return None
             cfg = fp8_gemv.launch_config(row, n, fmt, None, row_stages, row_fold)
-            if not norm_fold.fold_pays(row, n, cfg.block_n):
+            if not norm_fold.fold_pays(row, n, cfg.block_n, fp8=True):
                 return None
             out, normed, res = fp8_gemv.add_rms_norm_fp8_gemv(
                 *args, layer.weight_scale, fmt, layer.bias, config=cfg

@@ -8,12 +8,16 @@ tile from h, residual and the norm's weight as fused_add_rms_norm rounds them
 normalised row (what a MoE's experts read after the router). gemv.py and fp8_gemv.py
 carry it as HAS_NORM; add_rms_norm_gemv here and fp8_gemv.add_rms_norm_fp8_gemv launch it.
 
-When it pays: every program re-reads the whole row from L2 (h and residual for the rms,
-then h, residual and the weight per tile, where a plain GEMV reads x once per tile).
-On an H100 (batch 1, docs/performance.md) folding every norm made Llama-3-8B slower
-(bf16 5.54 -> 5.66 ms, FP8 3.52 -> 3.57: qkv and gate_up launch 1,500-7,000 programs)
-and Qwen3-30B-A3B faster (3.33 -> 3.28 ms). So a norm is folded only into a GEMV of at
-most FOLD_MAX_PROGRAMS_PER_SM programs per SM (a MoE's router: 128 rows)."""
+When it pays: every program reads the whole row from L2 before its K loop (h and the
+residual, for the rms), then h, the residual and the norm's weight for each tile, where
+a plain GEMV reads x once a tile. On an H100 (batch 1, docs/performance.md) folding
+every norm made Qwen3-30B-A3B faster (3.33 -> 3.28 ms; its qkv fold gave most of it,
+the router's alone 0.01 ms) and Llama-3-8B slower (bf16 5.54 -> 5.66, FP8 3.52 ->
+3.57 ms). Per SM, Qwen3's qkv programs read 80 KB of rows before their K loops, Llama's
+qkv 190 KB and its gate_up 900 KB. So a bf16 GEMV takes the fold when its programs
+read at most FOLD_MAX_ROW_BYTES_PER_SM that way; an FP8 GEMV, whose K loop is
+issue-bound and whose tiles do more work per x element, only at one program per SM
+at most (a router-sized grid)."""
 
 from __future__ import annotations
 
@@ -23,16 +27,21 @@ import triton
 from services.kernels.triton._launch import check_device, device_sms, is_interpreted
 from services.kernels.triton.gemv import _check, _gemv_kernel, launch, launch_config
 
-FOLD_MAX_PROGRAMS_PER_SM = 1
+FOLD_MAX_ROW_BYTES_PER_SM = 128 * 1024
+FP8_FOLD_MAX_PROGRAMS_PER_SM = 1
 
 
-def fold_pays(x: torch.Tensor, n: int, block_n: int) -> bool:
+def fold_pays(x: torch.Tensor, n: int, block_n: int, fp8: bool = False) -> bool:
     """Whether folding the norm into a GEMV of n output rows, block_n per program, beats
     the norm's own kernel on x's GPU (always true under the interpreter, so CPU tests
-    run the fold)."""
+    run the fold). fp8: an FP8 GEMV's."""
     if is_interpreted(_gemv_kernel):
         return True
-    return triton.cdiv(n, block_n) <= FOLD_MAX_PROGRAMS_PER_SM * device_sms(x)
+    programs_per_sm = triton.cdiv(n, block_n) / device_sms(x)
+    if fp8:
+        return programs_per_sm <= FP8_FOLD_MAX_PROGRAMS_PER_SM
+    row_bytes = 2 * x.shape[-1] * x.element_size()  # h and the residual, for the rms
+    return programs_per_sm * row_bytes <= FOLD_MAX_ROW_BYTES_PER_SM
 
 
 def add_rms_norm_gemv(
