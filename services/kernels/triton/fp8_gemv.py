@@ -17,6 +17,9 @@ the activation quantization is fused in, so the layer is one launch instead of t
 - channel / tensor weights: one activation scale for the whole row, from an amax pass
   over x first; the row's and the weight's scales multiply the sum at the end.
 
+HAS_NORM: the row is rms_norm(h + residual) * weight, built in the kernel (the norm's
+launch folded in, norm_fold.py; add_rms_norm_fp8_gemv).
+
 One plain launch, shape-only sizes, no atomics: safe to capture in a CUDA graph. Runs
 under TRITON_INTERPRET=1 on a CPU (e4m3fn only, like fp8_gemm.py)."""
 
@@ -39,7 +42,12 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by, reciprocal_rn
 from services.kernels.triton.gemv import check_k_fold, folded, with_row_fold
-from services.kernels.triton.norm import normed_cols, row_rstd
+from services.kernels.triton.norm import (
+    check_fold_inputs,
+    fold_launch_args,
+    normed_cols,
+    row_rstd,
+)
 
 # W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
 # a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
@@ -285,19 +293,10 @@ def add_rms_norm_fp8_gemv(
     fold: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8_gemv(x, ...), x, h + residual) for x = fused_add_rms_norm(h, residual,
-    norm_weight, eps)[0], in one launch (gemv.add_rms_norm_gemv's fold: each program
+    norm_weight, eps)[0], in one launch (norm_fold.add_rms_norm_gemv's fold: each program
     finds the row's rms first, then quantizes the normalised row as fp8_gemv would)."""
+    check_fold_inputs("add_rms_norm_fp8_gemv", h, residual, norm_weight)
     _check(h, fmt, weight)
-    if residual.shape != h.shape or norm_weight.shape != h.shape[1:]:
-        raise ValueError(
-            f"add_rms_norm_fp8_gemv takes h and residual [1, K] and norm_weight [K]; got "
-            f"{tuple(h.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
-        )
-    if residual.dtype != h.dtype or norm_weight.dtype != h.dtype:
-        raise ValueError(
-            f"add_rms_norm_fp8_gemv needs h, residual and norm_weight of one dtype, got "
-            f"{h.dtype}, {residual.dtype} and {norm_weight.dtype}"
-        )
     h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
     normed, res_out = torch.empty_like(h), torch.empty_like(h)
     norm = (residual, norm_weight, res_out, normed, eps)
@@ -370,12 +369,7 @@ def _run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         FOLD=cfg.k_fold,
-        res_ptr=x if norm is None else norm[0],
-        nw_ptr=x if norm is None else norm[1],
-        res_out_ptr=x if norm is None else norm[2],
-        x_out_ptr=x if norm is None else norm[3],
-        eps=0.0 if norm is None else float(norm[4]),
-        HAS_NORM=norm is not None,
+        **fold_launch_args(x, norm),
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )

@@ -16,7 +16,10 @@ which measured faster than FMAs over a [rows, BLOCK_N, BLOCK_K] tile.
 
 With SPLIT_K > 1 each split writes its fp32 partial to a workspace and a second small
 kernel adds the splits (and the bias): no atomics, no zero-init, so the pair is safe
-to capture in a CUDA graph (the workspace size depends on shapes only)."""
+to capture in a CUDA graph (the workspace size depends on shapes only).
+
+HAS_NORM (one row): x is built from h + residual and an RMSNorm's weight inside the
+kernel, the norm's own launch folded in (norm_fold.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
-from services.kernels.triton.norm import normed_cols, row_rstd
+from services.kernels.triton.norm import fold_launch_args, normed_cols, row_rstd
 
 GEMV_MAX_ROWS = 8
 GEMV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -378,12 +381,7 @@ def launch(x, weight, bias, out, cfg: GemvConfig, norm=None) -> None:
         NUM_STAGES=cfg.num_stages,
         USE_PDL=pdl,
         FOLD=min(cfg.k_fold, block_k) if m == 1 else 1,
-        res_ptr=x if norm is None else norm[0],
-        nw_ptr=x if norm is None else norm[1],
-        res_out_ptr=x if norm is None else norm[2],
-        x_out_ptr=x if norm is None else norm[3],
-        eps=0.0 if norm is None else float(norm[4]),
-        HAS_NORM=norm is not None,
+        **fold_launch_args(x, norm),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

@@ -108,6 +108,32 @@ def normed_cols(h_ptr, res_ptr, nw_ptr, res_out_ptr, x_out_ptr, cols, mask, rstd
     return x.to(tl.float32)
 
 
+def check_fold_inputs(name: str, h, residual, norm_weight) -> None:
+    """A fold's norm inputs (norm_fold.py): one row h and residual [1, K] and the norm's
+    weight [K], all of one dtype."""
+    if h.shape[0] != 1 or residual.shape != h.shape or norm_weight.shape != h.shape[1:]:
+        raise ValueError(
+            f"{name} takes one row: h and residual [1, K], norm_weight [K]; got "
+            f"{tuple(h.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+        )
+    if residual.dtype != h.dtype or norm_weight.dtype != h.dtype:
+        raise ValueError(
+            f"{name} needs h, residual and norm_weight of one dtype, got "
+            f"{h.dtype}, {residual.dtype} and {norm_weight.dtype}"
+        )
+
+
+def fold_launch_args(x, norm) -> dict:
+    """A GEMV kernel's HAS_NORM arguments: norm = (residual, norm_weight, residual_out,
+    normed_out, eps), or None (x stands in for the pointers the kernel never reads)."""
+    if norm is None:
+        ptrs, eps = (x, x, x, x), 0.0
+    else:
+        ptrs, eps = norm[:4], float(norm[4])
+    names = ("res_ptr", "nw_ptr", "res_out_ptr", "x_out_ptr")
+    return {**dict(zip(names, ptrs)), "eps": eps, "HAS_NORM": norm is not None}
+
+
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """(tensor, n_rows, inner, stride0, stride1): rows addressed as two strided dims, so
     q/k head views of a fused qkv output need no copy."""

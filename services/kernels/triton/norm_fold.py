@@ -26,6 +26,7 @@ import triton
 
 from services.kernels.triton._launch import check_device, device_sms, is_interpreted
 from services.kernels.triton.gemv import _check, _gemv_kernel, launch, launch_config
+from services.kernels.triton.norm import check_fold_inputs
 
 FOLD_MAX_ROW_BYTES_PER_SM = 128 * 1024
 FP8_FOLD_MAX_PROGRAMS_PER_SM = 1
@@ -59,16 +60,7 @@ def add_rms_norm_gemv(
     """(gemv(x, weight, bias), x, h + residual) for x = fused_add_rms_norm(h, residual,
     norm_weight, eps)[0], one row, in one launch. config, row_stages, row_fold: as gemv's."""
     _check(h, weight, bias)
-    if h.shape[0] != 1 or residual.shape != h.shape or norm_weight.shape != h.shape[1:]:
-        raise ValueError(
-            f"add_rms_norm_gemv takes one row: h and residual [1, K], norm_weight [K]; got "
-            f"{tuple(h.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
-        )
-    if residual.dtype != h.dtype or norm_weight.dtype != h.dtype:
-        raise ValueError(
-            f"add_rms_norm_gemv needs h, residual and norm_weight of one dtype, got "
-            f"{h.dtype}, {residual.dtype} and {norm_weight.dtype}"
-        )
+    check_fold_inputs("add_rms_norm_gemv", h, residual, norm_weight)
     check_device(_gemv_kernel, h, residual, norm_weight, weight)
     h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
     n = weight.shape[0]
