@@ -8,7 +8,8 @@ sizes 16-divisible, unit strides along K constant 1.
 
     python benchmarks/compile_sm90.py fp8:8,1024,4,1 fp8:8,1024,4,3 gated:8,256,4,3
     (KERNEL:block_n,block_k,num_warps,num_stages[,k_fold]; KERNEL is gemv, fp8, gated or
-    down, or gemv+norm / fp8+norm (the RMSNorm folded in); k_fold for all but down)
+    down (a MoE's), gemv+norm / fp8+norm (the RMSNorm folded in) or gemv+silu / fp8+silu
+    (a dense gate_up with its SiLU, gated_gemv.py); k_fold for all but down)
 
 Prints one JSON line per kernel. Run it without TRITON_INTERPRET (the interpreter's
 kernels cannot be compiled).
@@ -72,21 +73,21 @@ _NORM_PTRS = dict(res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", x_out_pt
                   eps="fp32")  # fmt: skip
 
 
-def _gemv(block_n, block_k, warps, stages, fold=1, norm=False):
+def _gemv(block_n, block_k, warps, stages, fold=1, norm=False, silu=False):
     mod = importlib.import_module("services.kernels.triton.gemv")
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", **_NORM_PTRS)
-    ce = dict(HAS_NORM=norm, stride_xk=1, HAS_BIAS=False, EVEN_K=True, BLOCK_M=1, BLOCK_N=block_n,
+    ce = dict(HAS_NORM=norm, GATED=silu, stride_xk=1, HAS_BIAS=False, EVEN_K=True, BLOCK_M=1, BLOCK_N=block_n,
               BLOCK_K=block_k, SPLIT_K=1, PRECISION="ieee", UPCAST_DOT=False,
               NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
     return compile_report(mod._gemv_kernel, ptrs, ce, warps)
 
 
-def _fp8(block_n, block_k, warps, stages, fold=1, norm=False):
+def _fp8(block_n, block_k, warps, stages, fold=1, norm=False, silu=False):
     from services.kernels.triton import fp8_gemv
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16",
                 out_ptr="*bf16", **_NORM_PTRS)  # fmt: skip
-    ce = dict(HAS_NORM=norm, GRANULARITY=0, GROUP=128, SCALE_N=128, HAS_BIAS=False, EVEN_K=True,
+    ce = dict(HAS_NORM=norm, GATED=silu, GRANULARITY=0, GROUP=128, SCALE_N=128, HAS_BIAS=False, EVEN_K=True,
               FP8_MAX_=448.0, MIN_AMAX=1e-12, ROUND_IN_FP32=False, BLOCK_N=block_n,
               BLOCK_K=block_k, NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
     return compile_report(fp8_gemv._fp8_gemv_kernel, ptrs, ce, warps)
@@ -116,6 +117,8 @@ KERNELS = {
     "fp8": _fp8,
     "gemv+norm": lambda *a: _gemv(*a, norm=True) if len(a) == 5 else _gemv(*a, 1, True),
     "fp8+norm": lambda *a: _fp8(*a, norm=True) if len(a) == 5 else _fp8(*a, 1, True),
+    "gemv+silu": lambda *a: _gemv(*a, silu=True) if len(a) == 5 else _gemv(*a, 1, silu=True),
+    "fp8+silu": lambda *a: _fp8(*a, silu=True) if len(a) == 5 else _fp8(*a, 1, silu=True),
     "gated": _gated,
     "down": _down,
 }

@@ -43,6 +43,7 @@ from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
     kv_cache_is_fp8,
+    linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
 )
 
@@ -160,8 +161,11 @@ class AiterBackend:
         return out.view(shape), res_out.view(shape)
 
     # ---- rope --------------------------------------------------------------------
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
-        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, gated=False):
+        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer, gated)
+
+    def linear_silu_and_mul(self, x, layer):
+        return linear_silu_and_mul_unfused(self, x, layer)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
         head_dim = q.shape[-1]

@@ -81,11 +81,19 @@ class KernelBackend(Protocol):
         norm_weight: torch.Tensor,
         eps: float,
         layer: torch.nn.Module,
+        gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(linear(normed, layer), normed, x + residual) for normed =
         fused_add_rms_norm(x, residual, norm_weight, eps)[0]: a layer's norm and the
-        first linear that reads it. A backend may fold the norm into the linear's
-        kernel (triton: one decode row); add_rms_norm_linear_unfused is the definition."""
+        first linear that reads it; gated: linear_silu_and_mul(normed, layer) in place of
+        the linear. A backend may fold the norm into the linear's kernel (triton: one
+        decode row); add_rms_norm_linear_unfused is the definition."""
+        ...
+
+    def linear_silu_and_mul(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        """silu_and_mul(linear(x, layer)) for a gate_up layer (the gate's rows, then the
+        up's). A backend may apply the activation in the linear's kernel (triton: one
+        decode row); linear_silu_and_mul_unfused is the definition."""
         ...
 
     def rotary_embedding(
@@ -207,10 +215,18 @@ def rope_and_store_kv_unfused(
     return q
 
 
-def add_rms_norm_linear_unfused(ops: KernelBackend, x, residual, norm_weight, eps, layer):
+def add_rms_norm_linear_unfused(
+    ops: KernelBackend, x, residual, norm_weight, eps, layer, gated: bool = False
+):
     """KernelBackend.add_rms_norm_linear through `ops`' separate ops (its definition)."""
     normed, residual = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-    return ops.linear(normed, layer), normed, residual
+    out = ops.linear_silu_and_mul(normed, layer) if gated else ops.linear(normed, layer)
+    return out, normed, residual
+
+
+def linear_silu_and_mul_unfused(ops: KernelBackend, x, layer):
+    """KernelBackend.linear_silu_and_mul through `ops`' separate ops (its definition)."""
+    return ops.silu_and_mul(ops.linear(x, layer))
 
 
 def mixes_decode_rows(metadata: AttentionMetadata) -> bool:

@@ -11,6 +11,7 @@ from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
     kv_cache_is_fp8,
+    linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
 )
 
@@ -39,8 +40,11 @@ class TorchBackend:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
-        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, gated=False):
+        return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer, gated)
+
+    def linear_silu_and_mul(self, x, layer):
+        return linear_silu_and_mul_unfused(self, x, layer)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
         cos_sin = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D]

@@ -16,13 +16,16 @@ from services.kernels.interface import (
     mixes_decode_rows,
     rope_and_store_kv_unfused,
 )
-from services.kernels.triton import fp8_gemv, norm_fold
+from services.kernels.triton import fp8_gemv, gated_gemv, norm_fold
 from services.kernels.triton._launch import env_switch
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS, launch_config
 
 # "0" keeps each layer's RMSNorm a kernel of its own (an A/B switch for benchmarks);
 # "1" folds it into the next one-row GEMV where that pays (norm_fold.py)
 NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
+# "1" applies a dense MLP's silu_and_mul in its one-row gate_up GEMV (gated_gemv.py);
+# "0" keeps it a kernel of its own
+GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
 
 
 def _row_settings(config):
@@ -37,13 +40,22 @@ def _row_settings(config):
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, attn_num_splits: int | None = None, norm_fold: bool | None = None):
+    def __init__(
+        self,
+        attn_num_splits: int | None = None,
+        norm_fold: bool | None = None,
+        gated_gemv: bool | None = None,
+    ):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
         # add_rms_norm_linear folds the norm into a one-row GEMV (None: the environment)
         if norm_fold is None:
             norm_fold = env_switch(NORM_FOLD_ENV, "1", ("0", "1")) == "1"
         self.norm_fold = norm_fold
+        # linear_silu_and_mul in the one-row GEMV (None: the environment)
+        if gated_gemv is None:
+            gated_gemv = env_switch(GATED_GEMV_ENV, "0", ("0", "1")) == "1"
+        self.gated_gemv = gated_gemv
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
@@ -65,18 +77,56 @@ class TritonBackend:
             return out.view(*x.shape[:-1], weight.shape[0])
         return torch.nn.functional.linear(x, weight, layer.bias)
 
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, config=None):
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, gated=False, config=None):
         if self.norm_fold:
-            folded = self._folded(x, residual, norm_weight, eps, layer, config)
+            in_gemv = gated and self.gated_gemv  # the activation too, in the GEMV
+            folded = self._folded(x, residual, norm_weight, eps, layer, in_gemv, config)
             if folded is not None:
-                return folded
+                out, normed, residual = folded
+                return (self.silu_and_mul(out) if gated and not in_gemv else out), normed, residual
         normed, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        if gated:
+            return self.linear_silu_and_mul(normed, layer, config), normed, residual
         return self.linear(normed, layer, config), normed, residual
 
-    def _folded(self, x, residual, norm_weight, eps, layer, config):
-        """The norm folded into the linear's one-row GEMV (bf16 or FP8), or None where
-        that GEMV does not take this row or the fold would not pay (norm_fold.py): then
-        the norm runs on its own."""
+    def linear_silu_and_mul(self, x, layer, config=None):
+        k = x.shape[-1]
+        if self.gated_gemv and x.numel() == k:  # one row: the activation in the GEMV
+            row_stages, row_fold = _row_settings(config)
+            row, weight, fmt = x.reshape(1, k), layer.weight, fp8_format_of(layer)
+            out = None
+            if fmt is not None and self._gated_fp8_fits(row, layer, row_stages, row_fold):
+                out = gated_gemv.fp8_gemv_silu_and_mul(
+                    row, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages,
+                    fold=row_fold,
+                )  # fmt: skip
+            elif fmt is None and self._plain_gemv_takes(row, weight):
+                out = gated_gemv.gemv_silu_and_mul(
+                    row, weight, layer.bias, row_stages=row_stages, row_fold=row_fold
+                )
+            if out is not None:
+                return out.view(*x.shape[:-1], out.shape[-1])
+        return self.silu_and_mul(self.linear(x, layer, config))
+
+    @staticmethod
+    def _plain_gemv_takes(row, weight) -> bool:
+        """Whether the bf16 / fp16 / fp32 GEMV takes this one row and weight."""
+        ok = row.dtype == weight.dtype and row.dtype in GEMV_DTYPES and weight.is_contiguous()
+        return ok and weight.shape[0] % 2 == 0
+
+    @staticmethod
+    def _gated_fp8_fits(row, layer, row_stages, row_fold) -> bool:
+        """Whether the FP8 GEMV takes this row and gate_up layer gated."""
+        weight, fmt, n = layer.weight, fp8_format_of(layer), layer.weight.shape[0]
+        if not fp8_gemv.supports(1, fmt, weight):
+            return False
+        cfg = fp8_gemv.launch_config(row, n, fmt, None, row_stages, row_fold)
+        return fp8_gemv.gated_rows_fit(n, cfg)
+
+    def _folded(self, x, residual, norm_weight, eps, layer, gated, config):
+        """The norm folded into the linear's one-row GEMV (bf16 or FP8; gated: with the
+        silu_and_mul after it), or None where that GEMV does not take this row or the
+        fold would not pay (norm_fold.py): then the norm runs on its own."""
         k = x.shape[-1]
         if x.numel() != k or residual.shape != x.shape:
             return None
@@ -89,17 +139,23 @@ class TritonBackend:
         if fmt is not None:
             if not fp8_gemv.supports(1, fmt, weight):
                 return None
+            if gated and not self._gated_fp8_fits(row, layer, row_stages, row_fold):
+                return None
             cfg = fp8_gemv.launch_config(row, n, fmt, None, row_stages, row_fold)
             if not norm_fold.fold_pays(row, n, cfg.block_n, fp8=True):
                 return None
             out, normed, res = fp8_gemv.add_rms_norm_fp8_gemv(
-                *args, layer.weight_scale, fmt, layer.bias, config=cfg
+                *args, layer.weight_scale, fmt, layer.bias, config=cfg, gated=gated
             )
         elif x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.is_contiguous():
+            if gated and n % 2:
+                return None
             cfg = launch_config(row, n, None, row_stages, row_fold)
             if not norm_fold.fold_pays(row, n, cfg.block_n):
                 return None
-            out, normed, res = norm_fold.add_rms_norm_gemv(*args, layer.bias, config=cfg)
+            out, normed, res = norm_fold.add_rms_norm_gemv(
+                *args, layer.bias, config=cfg, gated=gated
+            )
         else:
             return None
         return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)

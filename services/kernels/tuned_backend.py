@@ -14,6 +14,7 @@ from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
+    linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
 )
 from services.kernels.shape_classes import (
@@ -99,15 +100,30 @@ class TunedBackend:
             return backend.linear(x, layer)
         return backend.linear(x, layer, config=config)
 
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer):
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, layer, gated=False):
         backend, config = self._linear_pick(x, layer)
-        if backend is not self._by_tokens("fused_add_rms_norm", x.shape[0]):
+        n = x.shape[0]
+        if backend is not self._by_tokens("fused_add_rms_norm", n):
             # each op on its own winner
-            return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer)
-        args = (x, residual, norm_weight, eps, layer)  # one backend won both: its own fold
+            return add_rms_norm_linear_unfused(self, x, residual, norm_weight, eps, layer, gated)
+        # one backend won the norm and the linear: its fold, with the SiLU too where it
+        # won that as well
+        in_fold = gated and backend is self._by_tokens("silu_and_mul", n)
+        args = (x, residual, norm_weight, eps, layer, in_fold)
+        out, normed, residual = (
+            backend.add_rms_norm_linear(*args)
+            if config is None
+            else backend.add_rms_norm_linear(*args, config=config)
+        )
+        return (self.silu_and_mul(out) if gated and not in_fold else out), normed, residual
+
+    def linear_silu_and_mul(self, x, layer):
+        backend, config = self._linear_pick(x, layer)
+        if backend is not self._by_tokens("silu_and_mul", x.shape[0]):
+            return linear_silu_and_mul_unfused(self, x, layer)  # each op on its own winner
         if config is None:
-            return backend.add_rms_norm_linear(*args)
-        return backend.add_rms_norm_linear(*args, config=config)
+            return backend.linear_silu_and_mul(x, layer)
+        return backend.linear_silu_and_mul(x, layer, config=config)
 
     def rms_norm(self, x, weight, eps):
         return self._by_tokens("rms_norm", x.shape[0]).rms_norm(x, weight, eps)

@@ -36,11 +36,12 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def into(self, linear: nn.Module, x, residual):
+    def into(self, linear: nn.Module, x, residual, gated: bool = False):
         """(linear(normed), normed, x + residual) for normed, x + residual = self(x,
         residual): the norm and the first linear that reads it, which the backend may
-        fold into one kernel. linear: a layer ops.linear computes (no all-reduce)."""
-        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, linear)
+        fold into one kernel. linear: a layer ops.linear computes (no all-reduce);
+        gated: a gate_up layer, its output through silu_and_mul."""
+        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, linear, gated)
 
 
 class Attention(nn.Module):
@@ -134,6 +135,9 @@ class MLP(nn.Module):
             inter, config.hidden_size, bias, ops, tp, reduce_results=reduce_results
         )
 
+    # the entry linear's output goes through silu_and_mul (ops.linear_silu_and_mul)
+    entry_gated = True
+
     @property
     def entry_linear(self) -> nn.Module:
         """The linear that reads the layer's input first (DecoderLayer folds the norm
@@ -141,11 +145,11 @@ class MLP(nn.Module):
         return self.gate_up_proj
 
     def forward(self, x):
-        return self.forward_from_entry(self.gate_up_proj(x), x)
+        return self.forward_from_entry(self.ops.linear_silu_and_mul(x, self.gate_up_proj), x)
 
-    def forward_from_entry(self, gate_up, x):
-        """The layer from entry_linear's output on (x: the layer's input)."""
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+    def forward_from_entry(self, act, x):
+        """The layer from its gated entry, silu(gate) * up, on (x: the layer's input)."""
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -165,7 +169,7 @@ class DecoderLayer(nn.Module):
             qkv, _, residual = self.input_layernorm.into(self.self_attn.qkv_proj, hidden, residual)
             hidden = self.self_attn.attend(positions, qkv, cos_sin, meta)
         entry, hidden, residual = self.post_attention_layernorm.into(
-            self.mlp.entry_linear, hidden, residual
+            self.mlp.entry_linear, hidden, residual, self.mlp.entry_gated
         )
         return self.mlp.forward_from_entry(entry, hidden), residual
 

@@ -90,6 +90,8 @@ class FusedMoE(nn.Module):
         self.w2_scale = param(*shape2, dtype=torch.float32)
         self.fp8_format = fmt
 
+    entry_gated = False  # the router's logits, as they are
+
     @property
     def entry_linear(self) -> nn.Module:
         """The router: the linear that reads the layer's input first (DecoderLayer folds

@@ -59,12 +59,15 @@ def test_the_fold_equals_norm_then_gemv(dtype, config, bias, device):
         assert rel_err(normed, x) < TOL[dtype] and rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("fmt", ["block", "block64x128", "channel", "tensor"])
-@pytest.mark.parametrize(
-    "config",
-    [None, Fp8GemvConfig(4, 256, 2), Fp8GemvConfig(8, 128, 4, num_stages=3)],
+FP8_FORMATS = ["block", "block64x128", "channel", "tensor"]
+FP8_CONFIGS = dict(
+    argvalues=[None, Fp8GemvConfig(4, 256, 2), Fp8GemvConfig(8, 128, 4, num_stages=3)],
     ids=["default", "4x256", "8x128s3"],
 )
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("config", **FP8_CONFIGS)
 def test_the_fp8_fold_equals_norm_then_fp8_gemv(fmt, config, device):
     k, n = 328, 136  # not multiples of any block: partial scale blocks, masked tiles
     layer = make_layer(n, k, FORMATS[fmt], device=device, bias=True, dtype=torch.bfloat16)

@@ -125,3 +125,77 @@ def test_a_mistyped_switch_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="PDSERVE_TRITON_NORM_FOLD"):
         TritonBackend()
     assert TritonBackend(norm_fold=False).norm_fold is False  # an explicit choice wins
+
+
+@pytest.fixture
+def gated_calls(monkeypatch):
+    """How many gate_up GEMVs applied the SiLU themselves (the real kernels, counted)."""
+    from services.kernels.triton import fp8_gemv, gated_gemv, norm_fold
+
+    calls = {"alone": 0, "with the norm": 0}
+
+    def counted(module, name, kind, needs_flag):
+        fn = getattr(module, name)
+
+        def run(*args, **kwargs):
+            if not needs_flag or kwargs.get("gated"):
+                calls[kind] += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, run)
+
+    counted(gated_gemv, "gemv_silu_and_mul", "alone", False)
+    counted(gated_gemv, "fp8_gemv_silu_and_mul", "alone", False)
+    counted(norm_fold, "add_rms_norm_gemv", "with the norm", True)
+    counted(fp8_gemv, "add_rms_norm_fp8_gemv", "with the norm", True)
+    return calls
+
+
+@pytest.mark.parametrize("fold", ["0", "1"], ids=["norm-apart", "norm-folded"])
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["fp32", "fp8"])
+def test_the_gated_gemv_engine_equals_the_silu_kernel_engine(
+    fold, quantization, models, device, monkeypatch, gated_calls
+):
+    args = dict(kernel_backend="triton", quantization=quantization)
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "0")
+    off = _generate(models["llama"], device, monkeypatch, fold, **args)
+    assert gated_calls == {"alone": 0, "with the norm": 0}
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "1")
+    on = _generate(models["llama"], device, monkeypatch, fold, **args)
+    assert on == off  # the same tokens and logprobs, bit for bit under the interpreter
+    layers = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
+    kind = "with the norm" if fold == "1" else "alone"
+    assert gated_calls[kind] == layers * 4  # every layer's gate_up, each decode step
+    assert sum(gated_calls.values()) == layers * 4
+
+
+def test_a_mistyped_gated_switch_is_refused(monkeypatch):
+    from services.kernels.triton_backend import TritonBackend
+
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "on")
+    with pytest.raises(ValueError, match="PDSERVE_TRITON_GATED_GEMV"):
+        TritonBackend()
+    assert TritonBackend(gated_gemv=True).gated_gemv is True  # an explicit choice wins
+
+
+def test_the_tuned_backend_gates_only_where_triton_won_the_silu_too(
+    models, device, monkeypatch, gated_calls, tmp_path
+):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "1")
+    ref = _generate(models["llama"], device, monkeypatch, "0", kernel_backend="torch")
+    split = "rms_norm=torch,rotary_embedding=torch,store_kv_cache=triton,paged_attention=triton,"
+    split += "linear=torch,linear.decode1=triton,fused_add_rms_norm=torch,"
+    split += "fused_add_rms_norm.decode1=triton,silu_and_mul=torch"
+    got = _generate(
+        models["llama"], device, monkeypatch, "1", kernel_backend="tuned", kernel_choices=split
+    )
+    assert gated_calls == {"alone": 0, "with the norm": 0}  # the SiLU's winner is torch
+    assert got[0] == ref[0]
+    same = f"{split},silu_and_mul.decode1=triton"
+    got = _generate(
+        models["llama"], device, monkeypatch, "1", kernel_backend="tuned", kernel_choices=same
+    )
+    layers = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
+    assert gated_calls["with the norm"] == layers * 4  # triton won all three: one launch
+    assert got[0] == ref[0]

@@ -20,6 +20,24 @@ from services.kernels.triton._launch import (
 
 
 @triton.jit
+def silu_mul(gate, up, dtype):
+    """silu(gate) * up rounded as torch rounds it: gate and up are dtype values (given in
+    fp32), silu's result is rounded to dtype before the product, the product too."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def store_silu_mul(out_ptr, offs, n, gate, up):
+    """out[offs] = silu(gate) * up for fp32 sums of a gate_up linear's gate and up rows,
+    each first rounded to out's dtype as the linear's output would be (masked to n)."""
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, silu_mul(gate, up, dtype), mask=offs < n)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -39,9 +57,8 @@ def _silu_and_mul_kernel(
     off = rows64[:, None] * stride_xr + cols[None, :] * stride_xc
     gate = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + off + inter * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows64[:, None] * inter + cols[None, :], (act * up).to(dtype), mask=mask)
+    out = silu_mul(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64[:, None] * inter + cols[None, :], out, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

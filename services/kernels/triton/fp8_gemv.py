@@ -18,7 +18,9 @@ the activation quantization is fused in, so the layer is one launch instead of t
   over x first; the row's and the weight's scales multiply the sum at the end.
 
 HAS_NORM: the row is rms_norm(h + residual) * weight, built in the kernel (the norm's
-launch folded in, norm_fold.py; add_rms_norm_fp8_gemv).
+launch folded in, norm_fold.py; add_rms_norm_fp8_gemv). GATED: a gate_up weight, each
+program taking BLOCK_N / 2 gate rows and the matching up rows as two tiles (each with
+its own block scales) and storing silu(gate) * up (gated_gemv.py).
 
 One plain launch, shape-only sizes, no atomics: safe to capture in a CUDA graph. Runs
 under TRITON_INTERPRET=1 on a CPU (e4m3fn only, like fp8_gemm.py)."""
@@ -40,6 +42,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
+from services.kernels.triton.activation import store_silu_mul
 from services.kernels.triton.fp8_round import activation_scale, quantize_e4m3_by, reciprocal_rn
 from services.kernels.triton.gemv import check_k_fold, folded, with_row_fold
 from services.kernels.triton.norm import (
@@ -144,12 +147,14 @@ def _x_at(x_ptr, cols, K, EVEN_K: tl.constexpr, norm, HAS_NORM: tl.constexpr):
 
 @triton.jit
 def _fp8_tile(
-    part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
-    GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    part, w, part_u, w_u, x_ptr, ws_row, ws_row_u, stride_wsk, x_scale, inv_x_scale, k,
+    offs_k, K, GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     FP8_MAX_: tl.constexpr, MIN_AMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr, norm, HAS_NORM: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
-    """part + one K tile's products: x quantized and dequantized, times W's tile."""
+    """(part, part_u) + one K tile's products: x quantized and dequantized, times W's
+    tile (GATED: and times the up rows' tile w_u, with their own block scales)."""
     if GRANULARITY == 0:
         # per 128-column group: the activation scale, and the weight's block scale; x
         # is read as [groups, GROUP] so the scales need no reshapes, one at the end
@@ -160,14 +165,20 @@ def _fp8_tile(
         s = activation_scale(tl.max(tl.abs(x2), axis=1), MIN_AMAX, FP8_MAX_)
         inv_s = reciprocal_rn(s)
         g_idx = k // GROUP + offs_g
-        ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_idx * GROUP < K, other=0.0)
+        g_ok = g_idx * GROUP < K
+        ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_ok, other=0.0)
         q = _quantized(x2, s[:, None], inv_s[:, None], FP8_MAX_, ROUND_IN_FP32, FP8_TY)
-        xd2 = q * (s * ws)[:, None]
-        xd = tl.reshape(xd2, [BLOCK_K])
+        xd = tl.reshape(q * (s * ws)[:, None], [BLOCK_K])
+        if GATED:
+            ws_u = tl.load(ws_row_u + g_idx * stride_wsk, mask=g_ok, other=0.0)
+            xd_u = tl.reshape(q * (s * ws_u)[:, None], [BLOCK_K])
+            part_u += folded(w_u.to(tl.float32) * xd_u[None, :], FOLD)
     else:
         x = _x_at(x_ptr, k + offs_k, K, EVEN_K, norm, HAS_NORM)
         xd = _quantized(x, x_scale, inv_x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
-    return part + folded(w.to(tl.float32) * xd[None, :], FOLD)
+        if GATED:
+            part_u += folded(w_u.to(tl.float32) * xd[None, :], FOLD)
+    return part + folded(w.to(tl.float32) * xd[None, :], FOLD), part_u
 
 
 @triton.jit
@@ -201,17 +212,29 @@ def _fp8_gemv_kernel(
     x_out_ptr,
     eps,
     HAS_NORM: tl.constexpr,
+    gate_rows,  # GATED: the gate's rows (N = 2 * gate_rows, a multiple of ROWS)
+    GATED: tl.constexpr,
 ):
     fp8_ty = w_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ROWS: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N  # rows per tile
+    offs_n = pid * ROWS + tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
     # rows past N re-read valid ones (wrapped) so the loads stay unmasked; never stored
     w_rows = (offs_n % N).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
-    ws_row = ws_ptr + ((pid * BLOCK_N) // SCALE_N) * stride_wsn  # block weights' scale row
+    ws_row = ws_ptr + ((pid * ROWS) // SCALE_N) * stride_wsn  # block weights' scale row
+    # GATED: the up rows (pointers the same as the gate's otherwise, never read)
+    up = 0
+    if GATED:
+        up = gate_rows
+    w_ptrs_u = w_ptrs + up * stride_wn
+    ws_row_u = ws_ptr + ((up + pid * ROWS) // SCALE_N) * stride_wsn
     if USE_PDL:  # the first weight tile loads while the previous kernel drains
         w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
+        w_u = w
+        if GATED:
+            w_u = _load_w(w_ptrs_u, 0, offs_k, K, EVEN_K)
         pdl_sync(USE_PDL)
     rstd = 1.0
     if HAS_NORM:
@@ -230,34 +253,53 @@ def _fp8_gemv_kernel(
 
     # (A 3-D [BLOCK_N, G, GROUP] tile without the reshapes measured 3-9% slower on the
     # H200, and prefetching the next W tile into registers spilled.)
-    part = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
+    part = tl.zeros([ROWS, BLOCK_K // FOLD], dtype=tl.float32)
+    part_u = tl.zeros([ROWS if GATED else 1, BLOCK_K // FOLD], dtype=tl.float32)
     k_loop = 0
     if USE_PDL:
-        part = _fp8_tile(
-            part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, 0, offs_k, K,
-            GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
-            norm, HAS_NORM,
+        part, part_u = _fp8_tile(
+            part, w, part_u, w_u, x_ptr, ws_row, ws_row_u, stride_wsk, x_scale, inv_x_scale,
+            0, offs_k, K, GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32,
+            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED,
         )  # fmt: skip
         w_ptrs += BLOCK_K
+        w_ptrs_u += BLOCK_K
         k_loop = BLOCK_K
     for k in tl.range(k_loop, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
-        part = _fp8_tile(
-            part, w, x_ptr, ws_row, stride_wsk, x_scale, inv_x_scale, k, offs_k, K,
-            GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32, BLOCK_K, fp8_ty, FOLD,
-            norm, HAS_NORM,
+        w_u = w
+        if GATED:
+            w_u = _load_w(w_ptrs_u, k, offs_k, K, EVEN_K)
+        part, part_u = _fp8_tile(
+            part, w, part_u, w_u, x_ptr, ws_row, ws_row_u, stride_wsk, x_scale, inv_x_scale,
+            k, offs_k, K, GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32,
+            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED,
         )  # fmt: skip
         w_ptrs += BLOCK_K
-    acc = tl.sum(part, axis=1)
+        w_ptrs_u += BLOCK_K
+    acc = _scaled_sum(part, ws_ptr, offs_n, N, stride_wsn, x_scale, bias_ptr, GRANULARITY, HAS_BIAS)
+    if GATED:
+        up_rows = gate_rows + offs_n
+        acc_u = _scaled_sum(part_u, ws_ptr, up_rows, N, stride_wsn, x_scale, bias_ptr,
+                            GRANULARITY, HAS_BIAS)  # fmt: skip
+        store_silu_mul(out_ptr, offs_n, gate_rows, acc, acc_u)
+    else:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
-    n_ok = offs_n < N
+
+@triton.jit
+def _scaled_sum(part, ws_ptr, rows, N, stride_wsn, x_scale, bias_ptr,
+                GRANULARITY: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The rows' sums in fp32 with a channel or tensor weight's scales and the bias."""
+    acc = tl.sum(part, axis=1)
+    n_ok = rows < N
     if GRANULARITY == 1:
-        acc *= x_scale * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)
+        acc *= x_scale * tl.load(ws_ptr + rows * stride_wsn, mask=n_ok, other=0.0)
     elif GRANULARITY == 2:
         acc *= x_scale * tl.load(ws_ptr)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
+    return acc
 
 
 def fp8_gemv(
@@ -275,7 +317,7 @@ def fp8_gemv(
     num_stages: the K loop's depth in place of the config's (the kernel tuner's pick);
     fold: (block_k, k_fold, num_warps[, block_n]) in place of the config's, likewise."""
     _check(x, fmt, weight)
-    return _run(x.contiguous(), weight, weight_scale, fmt, bias, config, num_stages, fold)
+    return run(x.contiguous(), weight, weight_scale, fmt, bias, config, num_stages, fold)
 
 
 def add_rms_norm_fp8_gemv(
@@ -291,16 +333,18 @@ def add_rms_norm_fp8_gemv(
     config: Fp8GemvConfig | None = None,
     num_stages: int | None = None,
     fold: tuple[int, ...] | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8_gemv(x, ...), x, h + residual) for x = fused_add_rms_norm(h, residual,
     norm_weight, eps)[0], in one launch (norm_fold.add_rms_norm_gemv's fold: each program
-    finds the row's rms first, then quantizes the normalised row as fp8_gemv would)."""
+    finds the row's rms first, then quantizes the normalised row as fp8_gemv would).
+    gated: a gate_up weight, silu(gate) * up in place of its output (gated_gemv.py)."""
     check_fold_inputs("add_rms_norm_fp8_gemv", h, residual, norm_weight)
     _check(h, fmt, weight)
     h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
     normed, res_out = torch.empty_like(h), torch.empty_like(h)
     norm = (residual, norm_weight, res_out, normed, eps)
-    out = _run(h, weight, weight_scale, fmt, bias, config, num_stages, fold, norm)
+    out = run(h, weight, weight_scale, fmt, bias, config, num_stages, fold, norm, gated)
     return out, normed, res_out
 
 
@@ -331,14 +375,26 @@ def launch_config(x, n: int, fmt: Fp8Format, config=None, num_stages=None, fold=
     return _fit(config, k, fmt)
 
 
-def _run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None):
+def gated_rows_fit(n: int, cfg: Fp8GemvConfig) -> bool:
+    """Whether a gate_up weight of n rows can run gated with cfg: each program's tile
+    of gate rows (and of up rows) within one weight scale row, none past the gate's."""
+    return n % 2 == 0 and (n // 2) % max(1, cfg.block_n // 2) == 0
+
+
+def run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None, gated=False):
+    """The GEMV's launch for checked inputs (fp8_gemv's; norm: add_rms_norm_fp8_gemv's;
+    gated: out [1, N / 2] takes silu(gate) * up, gated_gemv.py)."""
     k = x.shape[1]
     n = weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     interpreted = is_interpreted(_fp8_gemv_kernel)
     cfg = launch_config(x, n, fmt, config, num_stages, fold)
+    if gated:
+        cfg = replace(cfg, block_n=max(2, cfg.block_n))  # a gate row and its up row at least
+        if not gated_rows_fit(n, cfg):
+            raise ValueError(f"a gated FP8 GEMV cannot take {n} rows in tiles of {cfg.block_n}")
     if fmt.granularity == "block":
         ws_strides = (weight_scale.stride(0), weight_scale.stride(1))
         group, scale_n = fmt.block_k, fmt.block_n
@@ -346,7 +402,8 @@ def _run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None
         ws_strides = (weight_scale.stride(0) if fmt.granularity == "channel" else 0, 0)
         group, scale_n = 1, 1
     pdl = use_pdl(x)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    grid = triton.cdiv(n // 2, cfg.block_n // 2) if gated else triton.cdiv(n, cfg.block_n)
+    _fp8_gemv_kernel[(grid,)](
         x,
         weight,
         weight_scale,
@@ -370,6 +427,8 @@ def _run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None
         USE_PDL=pdl,
         FOLD=cfg.k_fold,
         **fold_launch_args(x, norm),
+        gate_rows=n // 2,
+        GATED=gated,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )

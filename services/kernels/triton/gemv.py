@@ -19,7 +19,9 @@ kernel adds the splits (and the bias): no atomics, no zero-init, so the pair is 
 to capture in a CUDA graph (the workspace size depends on shapes only).
 
 HAS_NORM (one row): x is built from h + residual and an RMSNorm's weight inside the
-kernel, the norm's own launch folded in (norm_fold.py)."""
+kernel, the norm's own launch folded in (norm_fold.py). GATED (one row): a gate_up
+weight, each program's rows half gate rows and half the matching up rows, storing
+silu(gate) * up (gated_gemv.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from services.kernels.triton._launch import (
     pdl_sync,
     use_pdl,
 )
+from services.kernels.triton.activation import store_silu_mul
 from services.kernels.triton.norm import fold_launch_args, normed_cols, row_rstd
 
 GEMV_MAX_ROWS = 8
@@ -193,6 +196,8 @@ def _gemv_kernel(
     x_out_ptr,
     eps,
     HAS_NORM: tl.constexpr,  # one row only (norm_fold.add_rms_norm_gemv)
+    gate_rows,  # GATED: the gate's rows (N = 2 * gate_rows; out is [1, gate_rows])
+    GATED: tl.constexpr,  # one row, SPLIT_K 1 only (gated_gemv.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -201,7 +206,13 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # Out-of-range rows re-read valid ones (wrapped) instead of masking, so the loads
     # stay unpredicated; their results are never stored.
-    w_rows = (offs_n % N).to(tl.int64)
+    if GATED:  # BLOCK_N / 2 gate rows, then the same rows of the up half
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs_g = pid_n * HALF + tl.arange(0, BLOCK_N) % HALF
+        w_rows = offs_g % gate_rows + tl.where(tl.arange(0, BLOCK_N) < HALF, 0, gate_rows)
+        w_rows = w_rows.to(tl.int64)
+    else:
+        w_rows = (offs_n % N).to(tl.int64)
     x_rows = offs_m % M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -249,7 +260,16 @@ def _gemv_kernel(
 
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
+    if GATED:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+        pair = tl.reshape(acc, [2, BLOCK_N // 2])  # [gate rows, up rows]
+        first = (tl.arange(0, 2) == 0)[:, None]
+        gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
+        up = tl.sum(tl.where(first, 0.0, pair), axis=0)
+        store_silu_mul(out_ptr, pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), gate_rows,
+                       gate, up)  # fmt: skip
+    elif SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -345,9 +365,10 @@ def launch_config(x, n: int, config=None, row_stages=None, row_fold=None) -> Gem
     return config
 
 
-def launch(x, weight, bias, out, cfg: GemvConfig, norm=None) -> None:
+def launch(x, weight, bias, out, cfg: GemvConfig, norm=None, gated=False) -> None:
     """The GEMV into out. norm (one row; norm_fold.py): (residual, norm_weight,
-    residual_out, normed_out, eps), x then being the h of fused_add_rms_norm(h, residual)."""
+    residual_out, normed_out, eps), x then being the h of fused_add_rms_norm(h, residual).
+    gated (one row, split_k 1; gated_gemv.py): out [1, N / 2] takes silu(gate) * up."""
     m, k = x.shape
     n = weight.shape[0]
     block_k = cfg.block_k
@@ -355,10 +376,15 @@ def launch(x, weight, bias, out, cfg: GemvConfig, norm=None) -> None:
     # splits start on tile boundaries: when BLOCK_K divides K, no split needs masks
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # drop splits that would be empty
+    if gated and (m != 1 or split_k != 1 or n % 2):
+        raise ValueError(f"a gated GEMV takes one row, split_k 1 and 2I rows; got {m}, {cfg}, {n}")
+    if gated:
+        block_n = max(2, block_n)  # a gate row and its up row at least
     upcast = is_interpreted(_gemv_kernel) and x.dtype == torch.bfloat16
     dst = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
-    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+    grid_n = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
+    _gemv_kernel[(grid_n, split_k)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -382,6 +408,8 @@ def launch(x, weight, bias, out, cfg: GemvConfig, norm=None) -> None:
         USE_PDL=pdl,
         FOLD=min(cfg.k_fold, block_k) if m == 1 else 1,
         **fold_launch_args(x, norm),
+        gate_rows=n // 2,
+        GATED=gated,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,

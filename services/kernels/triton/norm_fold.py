@@ -56,16 +56,19 @@ def add_rms_norm_gemv(
     config=None,
     row_stages: int | None = None,
     row_fold: tuple[int, ...] | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gemv(x, weight, bias), x, h + residual) for x = fused_add_rms_norm(h, residual,
-    norm_weight, eps)[0], one row, in one launch. config, row_stages, row_fold: as gemv's."""
+    norm_weight, eps)[0], one row, in one launch. config, row_stages, row_fold: as gemv's;
+    gated: a gate_up weight, silu(gate) * up in place of its output (gated_gemv.py)."""
     _check(h, weight, bias)
     check_fold_inputs("add_rms_norm_gemv", h, residual, norm_weight)
     check_device(_gemv_kernel, h, residual, norm_weight, weight)
     h, residual, norm_weight = h.contiguous(), residual.contiguous(), norm_weight.contiguous()
     n = weight.shape[0]
-    out = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    out = torch.empty(1, n // 2 if gated else n, dtype=h.dtype, device=h.device)
     normed, res_out = torch.empty_like(h), torch.empty_like(h)
     cfg = launch_config(h, n, config, row_stages, row_fold)
-    launch(h, weight, bias, out, cfg, norm=(residual, norm_weight, res_out, normed, eps))
+    norm = (residual, norm_weight, res_out, normed, eps)
+    launch(h, weight, bias, out, cfg, norm=norm, gated=gated)
     return out, normed, res_out
