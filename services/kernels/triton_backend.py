@@ -91,18 +91,20 @@ class TritonBackend:
 
     def linear_silu_and_mul(self, x, layer, config=None):
         k = x.shape[-1]
-        if self.gated_gemv and x.numel() == k:  # one row: the activation in the GEMV
+        rows = x.numel() // k if k else 0
+        if self.gated_gemv and 0 < rows <= GEMV_MAX_ROWS:  # the activation in the GEMV
             row_stages, row_fold = _row_settings(config)
-            row, weight, fmt = x.reshape(1, k), layer.weight, fp8_format_of(layer)
+            x2, weight, fmt = x.reshape(rows, k), layer.weight, fp8_format_of(layer)
             out = None
-            if fmt is not None and self._gated_fp8_fits(row, layer, row_stages, row_fold):
-                out = gated_gemv.fp8_gemv_silu_and_mul(
-                    row, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages,
-                    fold=row_fold,
-                )  # fmt: skip
-            elif fmt is None and self._plain_gemv_takes(row, weight):
+            if fmt is not None and rows == 1:
+                if self._gated_fp8_fits(x2, layer, row_stages, row_fold):
+                    out = gated_gemv.fp8_gemv_silu_and_mul(
+                        x2, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages,
+                        fold=row_fold,
+                    )  # fmt: skip
+            elif fmt is None and self._plain_gemv_takes(x2, weight):
                 out = gated_gemv.gemv_silu_and_mul(
-                    row, weight, layer.bias, row_stages=row_stages, row_fold=row_fold
+                    x2, weight, layer.bias, row_stages=row_stages, row_fold=row_fold
                 )
             if out is not None:
                 return out.view(*x.shape[:-1], out.shape[-1])

@@ -50,13 +50,15 @@ def _gate_up(inter, k, dtype, device, seed=3):
     ids=["fp32", "bf16", "bf16-ragged", "fp16-bn1", "bf16-fold8"],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_gated_gemv_equals_gemv_then_silu(dtype, inter, config, bias, device):
+@pytest.mark.parametrize("rows", [1, 3, 8], ids=["1row", "3rows", "8rows"])
+def test_the_gated_gemv_equals_gemv_then_silu(dtype, inter, config, bias, rows, device):
     k = 300  # a masked last K tile
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     w = _gate_up(inter, k, dtype, device)
     b = (torch.randn(2 * inter) * 0.5).to(dtype).to(device) if bias else None
     got = gemv_silu_and_mul(x, w, b, config=config)
-    assert got.shape == (1, inter) and got.dtype == dtype
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    # 2-8 rows: the tensor-core path, its tiles widened to 16 rows of W (8 gate, 8 up)
     _same(got, silu_and_mul(gemv(x, w, b, config=config)), device, dtype)
 
 
@@ -95,10 +97,13 @@ def test_the_norm_fold_and_the_gate_in_one_launch(fp8, device):
 
 
 def test_what_the_gated_gemvs_refuse(device):
-    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=device)
+    x = torch.zeros(9, 64, dtype=torch.bfloat16, device=device)
     w = torch.zeros(16, 64, dtype=torch.bfloat16, device=device)
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError, match="at most 8 rows"):
         gemv_silu_and_mul(x, w)
+    layer = make_layer(16, 64, FORMATS["channel"], device=device)
+    with pytest.raises(ValueError, match="one row"):  # FP8: the one-row GEMV only
+        fp8_gemv_silu_and_mul(x[:2], layer.weight, layer.weight_scale, FORMATS["channel"], None)
     with pytest.raises(ValueError, match="2I rows"):
         gemv_silu_and_mul(x[:1], w[:15])
     with pytest.raises(ValueError, match="split_k 1"):

@@ -62,7 +62,7 @@ def _folds(model_dir) -> int:
     return (2 * layers - 1) * 4
 
 
-def _generate(model_dir, device, monkeypatch, fold: str, **engine_args):
+def _generate(model_dir, device, monkeypatch, fold: str, prompts=(PROMPT,), **engine_args):
     monkeypatch.setenv("PDSERVE_TRITON_NORM_FOLD", fold)
     llm = LLM(
         str(model_dir),
@@ -74,9 +74,11 @@ def _generate(model_dir, device, monkeypatch, fold: str, **engine_args):
         **engine_args,
     )
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    out = llm.generate([PROMPT], params)[0].output
+    outs = [r.output for r in llm.generate(list(prompts), params)]
     assert_all_blocks_free(llm)
-    return out.token_ids, out.logprobs
+    if len(outs) == 1:
+        return outs[0].token_ids, outs[0].logprobs
+    return [(o.token_ids, o.logprobs) for o in outs]
 
 
 @pytest.mark.parametrize(
@@ -164,9 +166,23 @@ def test_the_gated_gemv_engine_equals_the_silu_kernel_engine(
     on = _generate(models["llama"], device, monkeypatch, fold, **args)
     assert on == off  # the same tokens and logprobs, bit for bit under the interpreter
     layers = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
-    kind = "with the norm" if fold == "1" else "alone"
-    assert gated_calls[kind] == layers * 4  # every layer's gate_up, each decode step
-    assert sum(gated_calls.values()) == layers * 4
+    decode = layers * 4  # every layer's gate_up, each of the 4 decode steps
+    # the 6-token prefill: the plain GEMV takes up to 8 rows (unfolded), the FP8 one row
+    prefill = 0 if quantization else layers
+    want = {"alone": prefill, "with the norm": decode} if fold == "1" else {
+        "alone": prefill + decode, "with the norm": 0}  # fmt: skip
+    assert gated_calls == want
+
+
+def test_three_decode_rows_gate_on_the_tensor_core_path(models, device, monkeypatch, gated_calls):
+    prompts = (PROMPT, [7, 3, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9])  # every decode step: 3 rows
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "0")
+    off = _generate(models["llama"], device, monkeypatch, "1", prompts, kernel_backend="triton")
+    monkeypatch.setenv("PDSERVE_TRITON_GATED_GEMV", "1")
+    on = _generate(models["llama"], device, monkeypatch, "1", prompts, kernel_backend="triton")
+    assert on == off
+    layers = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
+    assert gated_calls == {"alone": layers * 4, "with the norm": 0}  # no fold past one row
 
 
 def test_a_mistyped_gated_switch_is_refused(monkeypatch):

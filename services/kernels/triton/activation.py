@@ -28,13 +28,13 @@ def silu_mul(gate, up, dtype):
 
 
 @triton.jit
-def store_silu_mul(out_ptr, offs, n, gate, up):
+def store_silu_mul(out_ptr, offs, mask, gate, up):
     """out[offs] = silu(gate) * up for fp32 sums of a gate_up linear's gate and up rows,
-    each first rounded to out's dtype as the linear's output would be (masked to n)."""
+    each first rounded to out's dtype as the linear's output would be."""
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + offs, silu_mul(gate, up, dtype), mask=offs < n)
+    tl.store(out_ptr + offs, silu_mul(gate, up, dtype), mask=mask)
 
 
 @triton.jit

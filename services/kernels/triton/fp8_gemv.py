@@ -282,7 +282,7 @@ def _fp8_gemv_kernel(
         up_rows = gate_rows + offs_n
         acc_u = _scaled_sum(part_u, ws_ptr, up_rows, N, stride_wsn, x_scale, bias_ptr,
                             GRANULARITY, HAS_BIAS)  # fmt: skip
-        store_silu_mul(out_ptr, offs_n, gate_rows, acc, acc_u)
+        store_silu_mul(out_ptr, offs_n, offs_n < gate_rows, acc, acc_u)
     else:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 

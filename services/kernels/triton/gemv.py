@@ -19,7 +19,7 @@ kernel adds the splits (and the bias): no atomics, no zero-init, so the pair is 
 to capture in a CUDA graph (the workspace size depends on shapes only).
 
 HAS_NORM (one row): x is built from h + residual and an RMSNorm's weight inside the
-kernel, the norm's own launch folded in (norm_fold.py). GATED (one row): a gate_up
+kernel, the norm's own launch folded in (norm_fold.py). GATED (split_k 1): a gate_up
 weight, each program's rows half gate rows and half the matching up rows, storing
 silu(gate) * up (gated_gemv.py)."""
 
@@ -196,8 +196,8 @@ def _gemv_kernel(
     x_out_ptr,
     eps,
     HAS_NORM: tl.constexpr,  # one row only (norm_fold.add_rms_norm_gemv)
-    gate_rows,  # GATED: the gate's rows (N = 2 * gate_rows; out is [1, gate_rows])
-    GATED: tl.constexpr,  # one row, SPLIT_K 1 only (gated_gemv.py)
+    gate_rows,  # GATED: the gate's rows (N = 2 * gate_rows; out is [M, gate_rows])
+    GATED: tl.constexpr,  # SPLIT_K 1 only (gated_gemv.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -263,12 +263,13 @@ def _gemv_kernel(
     if GATED:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-        pair = tl.reshape(acc, [2, BLOCK_N // 2])  # [gate rows, up rows]
-        first = (tl.arange(0, 2) == 0)[:, None]
-        gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
-        up = tl.sum(tl.where(first, 0.0, pair), axis=0)
-        store_silu_mul(out_ptr, pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), gate_rows,
-                       gate, up)  # fmt: skip
+        pair = tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2])  # [rows, gate | up, outputs]
+        first = (tl.arange(0, 2) == 0)[None, :, None]
+        gate = tl.sum(tl.where(first, pair, 0.0), axis=1)
+        up = tl.sum(tl.where(first, 0.0, pair), axis=1)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        ok = (offs_m < M)[:, None] & (cols < gate_rows)[None, :]
+        store_silu_mul(out_ptr, offs_m[:, None] * gate_rows + cols[None, :], ok, gate, up)
     elif SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -368,7 +369,7 @@ def launch_config(x, n: int, config=None, row_stages=None, row_fold=None) -> Gem
 def launch(x, weight, bias, out, cfg: GemvConfig, norm=None, gated=False) -> None:
     """The GEMV into out. norm (one row; norm_fold.py): (residual, norm_weight,
     residual_out, normed_out, eps), x then being the h of fused_add_rms_norm(h, residual).
-    gated (one row, split_k 1; gated_gemv.py): out [1, N / 2] takes silu(gate) * up."""
+    gated (split_k 1; gated_gemv.py): out [M, N / 2] takes silu(gate) * up."""
     m, k = x.shape
     n = weight.shape[0]
     block_k = cfg.block_k
@@ -376,8 +377,8 @@ def launch(x, weight, bias, out, cfg: GemvConfig, norm=None, gated=False) -> Non
     # splits start on tile boundaries: when BLOCK_K divides K, no split needs masks
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # drop splits that would be empty
-    if gated and (m != 1 or split_k != 1 or n % 2):
-        raise ValueError(f"a gated GEMV takes one row, split_k 1 and 2I rows; got {m}, {cfg}, {n}")
+    if gated and (split_k != 1 or n % 2):
+        raise ValueError(f"a gated GEMV takes split_k 1 and 2I rows; got {cfg}, {n}")
     if gated:
         block_n = max(2, block_n)  # a gate row and its up row at least
     upcast = is_interpreted(_gemv_kernel) and x.dtype == torch.bfloat16
