@@ -23,8 +23,8 @@ from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS, launch_conf
 # "0" keeps each layer's RMSNorm a kernel of its own (an A/B switch for benchmarks);
 # "1" folds it into the next one-row GEMV where that pays (norm_fold.py)
 NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
-# "1" applies a dense MLP's silu_and_mul in its one-row gate_up GEMV (gated_gemv.py);
-# "0" keeps it a kernel of its own
+# "1" (the default) applies a dense MLP's silu_and_mul in its decode gate_up GEMV
+# (gated_gemv.py; an H100 measured it faster); "0" keeps it a kernel of its own
 GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
 
 
@@ -54,7 +54,7 @@ class TritonBackend:
         self.norm_fold = norm_fold
         # linear_silu_and_mul in the one-row GEMV (None: the environment)
         if gated_gemv is None:
-            gated_gemv = env_switch(GATED_GEMV_ENV, "0", ("0", "1")) == "1"
+            gated_gemv = env_switch(GATED_GEMV_ENV, "1", ("0", "1")) == "1"
         self.gated_gemv = gated_gemv
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
