@@ -28,6 +28,11 @@ NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
 GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
 
 
+def _gemv_takes(x, weight) -> bool:
+    """Whether the bf16 / fp16 / fp32 GEMV (gemv.py) takes x's rows with this weight."""
+    return x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.is_contiguous()
+
+
 def _row_settings(config):
     # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
     # K-loop depth and tile the tuner measured fastest here (the defaults if None)
@@ -69,8 +74,7 @@ class TritonBackend:
         # our own GEMV, larger ones stay on cuBLAS.
         weight, k = layer.weight, x.shape[-1]
         rows = x.numel() // k if k else 0
-        same_dtype = x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
-        if 0 < rows <= GEMV_MAX_ROWS and same_dtype and weight.is_contiguous():
+        if 0 < rows <= GEMV_MAX_ROWS and _gemv_takes(x, weight):
             out = tk.gemv(
                 x.reshape(rows, k), weight, layer.bias, row_stages=row_stages, row_fold=row_fold
             )
@@ -102,19 +106,13 @@ class TritonBackend:
                         x2, weight, layer.weight_scale, fmt, layer.bias, num_stages=row_stages,
                         fold=row_fold,
                     )  # fmt: skip
-            elif fmt is None and self._plain_gemv_takes(x2, weight):
+            elif fmt is None and _gemv_takes(x2, weight) and weight.shape[0] % 2 == 0:
                 out = gated_gemv.gemv_silu_and_mul(
                     x2, weight, layer.bias, row_stages=row_stages, row_fold=row_fold
                 )
             if out is not None:
                 return out.view(*x.shape[:-1], out.shape[-1])
         return self.silu_and_mul(self.linear(x, layer, config))
-
-    @staticmethod
-    def _plain_gemv_takes(row, weight) -> bool:
-        """Whether the bf16 / fp16 / fp32 GEMV takes this one row and weight."""
-        ok = row.dtype == weight.dtype and row.dtype in GEMV_DTYPES and weight.is_contiguous()
-        return ok and weight.shape[0] % 2 == 0
 
     @staticmethod
     def _gated_fp8_fits(row, layer, row_stages, row_fold) -> bool:
@@ -141,15 +139,15 @@ class TritonBackend:
         if fmt is not None:
             if not fp8_gemv.supports(1, fmt, weight):
                 return None
-            if gated and not self._gated_fp8_fits(row, layer, row_stages, row_fold):
-                return None
             cfg = fp8_gemv.launch_config(row, n, fmt, None, row_stages, row_fold)
+            if gated and not fp8_gemv.gated_rows_fit(n, cfg):
+                return None
             if not norm_fold.fold_pays(row, n, cfg.block_n, fp8=True):
                 return None
             out, normed, res = fp8_gemv.add_rms_norm_fp8_gemv(
                 *args, layer.weight_scale, fmt, layer.bias, config=cfg, gated=gated
             )
-        elif x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.is_contiguous():
+        elif _gemv_takes(x, weight):
             if gated and n % 2:
                 return None
             cfg = launch_config(row, n, None, row_stages, row_fold)
