@@ -316,7 +316,10 @@ def test_compressed_tensors_fp8_moe_keeps_experts_fp8(tmp_path, caplog):
     save_file({k: v.contiguous() for k, v in deq.items()}, ref / "model.safetensors")
 
     with caplog.at_level("INFO"):
-        llm = LLM(str(qdir), max_num_batched_tokens=64)
+        # the torch kernels, as the other exact comparisons here: the tuned backend's
+        # choice varies with timing, and a last-bit difference in a norm or attention can
+        # move an activation across an e4m3 rounding boundary (a logprob off by ~0.02)
+        llm = LLM(str(qdir), kernel_backend="torch", max_num_batched_tokens=64)
     assert "keep their experts in FP8" in caplog.text
     assert "dequantized at load" not in caplog.text
     layers = fp8_layers(llm)
