@@ -8,7 +8,8 @@ gpu_engine_bench.py; the table lists every run's ms/step and its ratio to the fl
 
 --configs takes names under benchmarks/configs/ or paths; --env NAME=V1,V2 (repeatable)
 makes one variant per value; arguments after `--` go to every gpu_engine_bench.py run
-(the defaults: batch 1 at 1k context, 64 timed steps, one 128-token prefill).
+after the defaults, which they override (batch 1 at 1k context, 64 timed steps, one
+128-token prefill).
 --dry-run prints the commands in the order they would run.
 """
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_args = BENCH_DEFAULTS
     if "--" in argv:
         cut = argv.index("--")
-        argv, bench_args = argv[:cut], argv[cut + 1 :]
+        argv, bench_args = argv[:cut], BENCH_DEFAULTS + argv[cut + 1 :]  # later ones win
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--backends", nargs="+", default=["triton"])

@@ -64,7 +64,8 @@ def test_dry_run_prints_the_commands_in_turns():
     lines = out.stdout.splitlines()
     assert len(lines) == 8 and lines[:4] == lines[4:]
     assert lines[0].startswith("S=0 ") and lines[1].startswith("S=1 ")
-    assert "--kernel-backend triton --batch 1 4 --json-out" in lines[0]
+    assert "--kernel-backend triton --batch 1 --ctx 1024" in lines[0]
+    assert lines[0].endswith("--prefill-len 128 --batch 1 4 --json-out '<json>'")  # wins
     bad = subprocess.run(
         [sys.executable, "benchmarks/decode_turns.py", "--configs", "nope", "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
