@@ -273,11 +273,13 @@ def aligned_ct_block(tmp_path_factory):
 def test_fp8_block_tp2_equals_tp1(aligned_ct_block):
     """Each rank takes its rows (column-parallel) or K blocks (row-parallel) of the
     weights and their block scales, as for weight_scale_inv checkpoints: the same
-    128-wide activation groups, so only fp32 summation order differs."""
+    128-wide activation groups, so only fp32 summation order differs. Both on the torch
+    kernels: the tuned backend's picks vary with timing from one engine to the next,
+    and FP8 activation quantization turns a last-bit difference into a larger one."""
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
     runs = []
     for tp in (1, 2):
-        with LLM(str(aligned_ct_block[0]), tensor_parallel_size=tp) as llm:
+        with LLM(str(aligned_ct_block[0]), tensor_parallel_size=tp, kernel_backend="torch") as llm:
             runs.append(llm.generate(prompts(), params))
             assert_all_blocks_free(llm)
     for a, b in zip(*runs, strict=True):
