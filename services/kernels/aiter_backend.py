@@ -42,6 +42,7 @@ from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
+    attention_with_prologue_unfused,
     kv_cache_is_fp8,
     linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
@@ -208,6 +209,9 @@ class AiterBackend:
             self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
             k_scale, v_scale, qk_norm,
         )  # fmt: skip
+
+    def attention_with_prologue(self, *args, **kwargs):
+        return attention_with_prologue_unfused(self, *args, **kwargs)
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, config=None, fp8=None):
         if fp8 is not None:  # FP8 experts: pdserve's FP8 fused MoE, at its default tiles

@@ -146,6 +146,28 @@ class KernelBackend(Protocol):
         kernels (one, in the triton backend)."""
         ...
 
+    def attention_with_prologue(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """The attention layer from its q, k, v on: rope_and_store_kv at
+        metadata.slot_mapping, then paged_attention of the rotated q, as
+        `attention_with_prologue_unfused` does. A backend may do the prologue inside
+        the attention launch (triton: batches of decode rows)."""
+        ...
+
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         """Precompute per-step index tensors shared by all layers (optional)."""
         ...
@@ -213,6 +235,20 @@ def rope_and_store_kv_unfused(
     q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
     ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+def attention_with_prologue_unfused(
+    ops: KernelBackend, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata,
+    scale, k_scale=None, v_scale=None, qk_norm=None, sliding_window=None,
+) -> torch.Tensor:  # fmt: skip
+    """KernelBackend.attention_with_prologue through `ops`' two ops (its definition)."""
+    q = ops.rope_and_store_kv(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
+        k_scale, v_scale, qk_norm,
+    )  # fmt: skip
+    return ops.paged_attention(
+        q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window=sliding_window
+    )
 
 
 def add_rms_norm_linear_unfused(

@@ -10,6 +10,7 @@ from services.kernels.fp8 import fp8_format_of, fp8_linear_reference, fused_moe_
 from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
+    attention_with_prologue_unfused,
     kv_cache_is_fp8,
     linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
@@ -96,6 +97,9 @@ class TorchBackend:
             self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
             k_scale, v_scale, qk_norm,
         )  # fmt: skip
+
+    def attention_with_prologue(self, *args, **kwargs):
+        return attention_with_prologue_unfused(self, *args, **kwargs)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
         # Pad the ragged batch to [num_seqs, max_len]: the gather indices and the mask

@@ -13,11 +13,13 @@ from services.kernels import triton as tk
 from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import (
     AttentionMetadata,
+    attention_with_prologue_unfused,
     mixes_decode_rows,
     rope_and_store_kv_unfused,
 )
 from services.kernels.triton import fp8_gemv, gated_gemv, norm_fold
 from services.kernels.triton._launch import env_switch
+from services.kernels.triton.attention_prologue import AttentionPrologue, prologue_fits
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS, launch_config
 
 # "0" keeps each layer's RMSNorm a kernel of its own (an A/B switch for benchmarks);
@@ -26,6 +28,10 @@ NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
 # "1" (the default) applies a dense MLP's silu_and_mul in its decode gate_up GEMV
 # (gated_gemv.py; an H100 measured it faster); "0" keeps it a kernel of its own
 GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
+# "1" does a decode batch's RoPE + KV write inside its attention launch
+# (attention_prologue.py; "cache": reading the newest K / V back after a barrier);
+# "0" (the default until a GPU measures it) in a kernel of its own
+ATTN_PROLOGUE_ENV = "PDSERVE_TRITON_ATTN_PROLOGUE"
 
 
 def _gemv_takes(x, weight) -> bool:
@@ -50,6 +56,7 @@ class TritonBackend:
         attn_num_splits: int | None = None,
         norm_fold: bool | None = None,
         gated_gemv: bool | None = None,
+        attn_prologue: bool | None = None,
     ):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
@@ -61,6 +68,15 @@ class TritonBackend:
         if gated_gemv is None:
             gated_gemv = env_switch(GATED_GEMV_ENV, "1", ("0", "1")) == "1"
         self.gated_gemv = gated_gemv
+        # attention_with_prologue in one launch (None: the environment)
+        # ("cache": the owning program reads the newest K / V back after a barrier)
+        self.new_kv_from = "registers"
+        if attn_prologue is None:
+            value = env_switch(ATTN_PROLOGUE_ENV, "0", ("0", "1", "cache"))
+            attn_prologue = value != "0"
+            if value == "cache":
+                self.new_kv_from = "cache"
+        self.attn_prologue = attn_prologue
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
@@ -208,9 +224,36 @@ class TritonBackend:
             mixes_decode_rows(metadata),  # a walk over the host lengths: once per step
         )
 
+    def attention_with_prologue(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata: AttentionMetadata,
+        scale, k_scale=None, v_scale=None, qk_norm=None, sliding_window=None,
+    ):  # fmt: skip
+        fits = self.attn_prologue and prologue_fits(q.shape[-1], metadata.max_query_len)
+        if qk_norm is not None and not qk_norm[0].dtype == qk_norm[1].dtype == q.dtype:
+            fits = False  # the fused norm rounds to q's dtype
+        if not fits:
+            return attention_with_prologue_unfused(
+                self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata, scale,
+                k_scale, v_scale, qk_norm, sliding_window,
+            )  # fmt: skip
+        prologue = AttentionPrologue(
+            positions, k, v, cos_sin_cache, metadata.slot_mapping, qk_norm, self.new_kv_from
+        )
+        return self._attention(
+            q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window, prologue
+        )
+
     def paged_attention(
         self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale=None, v_scale=None,
         sliding_window=None,
+    ):  # fmt: skip
+        return self._attention(
+            q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window
+        )
+
+    def _attention(
+        self, q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window,
+        prologue=None,
     ):  # fmt: skip
         if "triton" not in metadata.backend_data:
             self.prepare_attention(metadata)
@@ -230,4 +273,5 @@ class TritonBackend:
             v_scale=v_scale,
             split_decode_rows=split_rows,
             sliding_window=sliding_window,
+            prologue=prologue,
         )

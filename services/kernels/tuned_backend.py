@@ -14,6 +14,7 @@ from services.kernels.fp8 import fp8_format_of
 from services.kernels.interface import (
     AttentionMetadata,
     add_rms_norm_linear_unfused,
+    attention_with_prologue_unfused,
     linear_silu_and_mul_unfused,
     rope_and_store_kv_unfused,
 )
@@ -149,11 +150,30 @@ class TunedBackend:
     ):  # fmt: skip
         args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
                 v_scale, qk_norm)  # fmt: skip
-        ops = ("rotary_embedding", "store_kv_cache") + (("rms_norm",) if qk_norm else ())
-        chosen = {id(b): b for b in (self._by_tokens(op, q.shape[0]) for op in ops)}
-        if len(chosen) == 1:  # one backend won every op here: its own (fused) version
-            return next(iter(chosen.values())).rope_and_store_kv(*args)
+        winner = self._one_winner(self._prologue_winners(q.shape[0], qk_norm))
+        if winner is not None:  # one backend won every op here: its own (fused) version
+            return winner.rope_and_store_kv(*args)
         return rope_and_store_kv_unfused(self, *args)  # each op on its own winner
+
+    def attention_with_prologue(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata: AttentionMetadata,
+        scale, k_scale=None, v_scale=None, qk_norm=None, sliding_window=None,
+    ):  # fmt: skip
+        args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata, scale, k_scale,
+                v_scale, qk_norm, sliding_window)  # fmt: skip
+        attention = self._pick[f"paged_attention.{attention_class(metadata)}"]
+        winner = self._one_winner(self._prologue_winners(q.shape[0], qk_norm) + [attention])
+        if winner is not None:  # one backend won the prologue's ops and the attention
+            return winner.attention_with_prologue(*args)
+        return attention_with_prologue_unfused(self, *args)
+
+    def _prologue_winners(self, n_tokens: int, qk_norm) -> list:
+        ops = ("rotary_embedding", "store_kv_cache") + (("rms_norm",) if qk_norm else ())
+        return [self._by_tokens(op, n_tokens) for op in ops]
+
+    @staticmethod
+    def _one_winner(backends: list):
+        return backends[0] if all(b is backends[0] for b in backends) else None
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, fp8=None):
         # built from a MoE model's shapes, the backend has a choice for every class

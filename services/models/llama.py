@@ -102,13 +102,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
-        # norm (Qwen3), RoPE and the KV write: one kernel where the backend fuses them
-        q = self.ops.rope_and_store_kv(
-            positions, q, k, v, cos_sin, kc, vc, meta.slot_mapping, ks, vs, qk_norm
-        )
-        out = self.ops.paged_attention(
-            q, kc, vc, meta, self.scale, ks, vs, sliding_window=self.sliding_window
-        )
+        # norm (Qwen3), RoPE and the KV write, then attention: fewer kernels where the
+        # backend fuses them
+        out = self.ops.attention_with_prologue(
+            positions, q, k, v, cos_sin, kc, vc, meta, self.scale, ks, vs, qk_norm,
+            self.sliding_window,
+        )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -58,6 +58,13 @@ from services.kernels.triton._launch import (
 )
 from services.kernels.triton.attention_config import attention_config
 from services.kernels.triton.attention_merge import merge_splits_kernel, store_rows
+from services.kernels.triton.attention_prologue import (
+    AttentionPrologue,
+    new_kv,
+    prologue_args,
+    prologue_fits,
+    rotated_q_tile,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -69,52 +76,31 @@ _LOG2E = 1.4426950408889634
 # window (unspecialized: one variant for every window size).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "sliding_window"])
 def _paged_attention_kernel(
-    out_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    cu_seqlens_q_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_P] fp32, only when NUM_SPLITS > 1
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32 (running max, running sum)
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache; KV_F16: without the softmax scale)
     q_scale,  # KV_F16: the softmax scale, applied to q before its fp16 cast; else unused
     v_scale,  # FP8 cache: the accumulator's factor; else unused
     sliding_window,  # SLIDING: keys p - sliding_window < k <= p; else unused
-    num_seqs,
-    num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
+    num_seqs, num_q_heads, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    Q_PER_KV: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    # PROLOGUE (attention_prologue.py; 1: the newest K / V from registers, 2: from the
+    # cache after a CTA barrier): rope_and_store_kv's inputs; placeholders otherwise
+    pos_ptr, cs_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, slot_ptr, eps, k_store_scale,
+    stride_pos, stride_cs_t, stride_cs_d, stride_knt, stride_knh, stride_knd,
+    stride_vnt, stride_vnh, stride_vnd,
+    Q_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16 (uint16 bits)
     KV_FP8: tl.constexpr,  # FP8 cache: computed in q's dtype, or in fp16 (KV_F16)
     KV_F16: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only one-query (decode) ones; 2: the others
-    SLIDING: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    SLIDING: tl.constexpr, USE_PDL: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
+    FP8_TOP: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+):  # fmt: skip
     pdl_sync(USE_PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,11 +140,17 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     tok = (q_start + q_row).to(tl.int64)
 
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    if PROLOGUE:  # q straight from the qkv projection: normed (Qwen3) and rotated here
+        q = rotated_q_tile(q_ptr, qw_ptr, pos_ptr, cs_ptr, tok, head, row_ok, eps, stride_qt,
+                           stride_qh, stride_qd, stride_pos, stride_cs_t, stride_cs_d, NORM,
+                           HEAD_DIM // 2, BLOCK_M)  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+            + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # fmt: skip
     if KV_F16:
         q = (q.to(tl.float32) * q_scale).to(tl.float16)
     elif not KV_FP8:
@@ -181,6 +173,21 @@ def _paged_attention_kernel(
         tile_lo = first_tile
         tile_hi = num_tiles
 
+    if PROLOGUE:  # this step's key and value, stored by the program whose split reads them
+        new_pos = kv_end - 1
+        owns = (num_tiles - 1 >= tile_lo) & (num_tiles - 1 < tile_hi)
+        tok0 = q_start.to(tl.int64)  # the sequence's one query row
+        k_new, v_new = new_kv(k_ptr, v_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, tok0, kv_head, owns,
+                              eps, k_store_scale, v_scale, k_cache_ptr, v_cache_ptr,
+                              stride_pos, stride_cs_t, stride_cs_d, stride_knt, stride_knh,
+                              stride_knd, stride_vnt, stride_vnh, stride_vnd, stride_kb, stride_ks,
+                              stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                              NORM, HEAD_DIM // 2, BLOCK_SIZE, KV_FP8, FP8_TOP, FP8_MIN_EXP)  # fmt: skip
+        if KV_FP8:
+            k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
+        if PROLOGUE == 2:  # the key loop reads them back from the cache: wait for the store
+            tl.debug_barrier()
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
@@ -200,6 +207,8 @@ def _paged_attention_kernel(
         )  # [HEAD_DIM_P, TILE_N]
         if KV_FP8:
             k = k.to(q.dtype)
+        if PROLOGUE == 1:  # the newest key from registers: its store may not have landed yet
+            k = tl.where((kv_pos == new_pos)[None, :], k_new[:, None], k)
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PRECISION)
         else:
@@ -224,6 +233,8 @@ def _paged_attention_kernel(
         )  # [TILE_N, HEAD_DIM_P]
         if KV_FP8:
             v = v.to(q.dtype)
+        if PROLOGUE == 1:
+            v = tl.where((kv_pos == new_pos)[:, None], v_new[None, :], v)
         p = p.to(v.dtype)
         if UPCAST_DOT:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
@@ -266,6 +277,7 @@ def paged_attention(
     v_scale: float | None = None,
     split_decode_rows: bool = False,
     sliding_window: int | None = None,
+    prologue: AttentionPrologue | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, block_size, Hk, D] (any strides);
     block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (keys after
@@ -275,7 +287,9 @@ def paged_attention(
     decode configuration and the longer ones at this batch's; a single configuration
     sized for long queries gives each decode row a whole prefill tile (mostly idle).
     Lengths stay on the device: both grids cover every sequence and skip the others'.
-    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p)."""
+    sliding_window: row p sees keys p - sliding_window < k <= p (None: all k <= p).
+    prologue: q as the qkv projection left it, rope_and_store_kv done in this launch
+    (attention_prologue.py); a batch of decode rows and a power-of-two head_dim only."""
     kv_fp8 = kv_cache_is_fp8(k_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -291,6 +305,14 @@ def paged_attention(
     if n_tokens == 0 or num_seqs == 0:
         return out
     check_device(_paged_attention_kernel, q, k_cache, v_cache, block_tables, seq_lens)
+    if prologue is not None:
+        if not prologue_fits(head_dim, max_query_len):
+            raise ValueError(
+                f"the attention prologue takes decode rows only (max_query_len {max_query_len}) "
+                f"and a power-of-two head_dim ({head_dim})"
+            )
+        check_device(_paged_attention_kernel, prologue.k, prologue.positions, prologue.slot_mapping)
+    pro_args, pro_consts = prologue_args(prologue, q, k_cache, kv_fp8, k_scale)
     interp = is_interpreted(_paged_attention_kernel)
     smem = (head_dim, q.element_size(), k_cache.element_size(), device_smem(q) or 0)
     sizes = (n_tokens, num_seqs, num_q_heads, num_kv_heads)
@@ -358,6 +380,7 @@ def paged_attention(
             *k_cache.stride(),
             *v_cache.stride(),
             block_tables.stride(0),
+            *pro_args,
             Q_PER_KV=num_q_heads // num_kv_heads,
             BLOCK_Q=c["BLOCK_Q"],
             BLOCK_M=c["BLOCK_M"],
@@ -373,6 +396,7 @@ def paged_attention(
             ROWS=rows,
             SLIDING=sliding_window is not None,
             USE_PDL=pdl,
+            **pro_consts,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
             launch_pdl=pdl,
