@@ -28,9 +28,9 @@ NORM_FOLD_ENV = "PDSERVE_TRITON_NORM_FOLD"
 # "1" (the default) applies a dense MLP's silu_and_mul in its decode gate_up GEMV
 # (gated_gemv.py; an H100 measured it faster); "0" keeps it a kernel of its own
 GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
-# "1" does a decode batch's RoPE + KV write inside its attention launch
-# (attention_prologue.py; "cache": reading the newest K / V back after a barrier);
-# "0" (the default until a GPU measures it) in a kernel of its own
+# "1" (the default; an H100 measured it faster at batch 1, 8 and 64) does a decode
+# batch's RoPE + KV write inside its attention launch (attention_prologue.py); "0" in a
+# kernel of its own
 ATTN_PROLOGUE_ENV = "PDSERVE_TRITON_ATTN_PROLOGUE"
 
 
@@ -69,13 +69,8 @@ class TritonBackend:
             gated_gemv = env_switch(GATED_GEMV_ENV, "1", ("0", "1")) == "1"
         self.gated_gemv = gated_gemv
         # attention_with_prologue in one launch (None: the environment)
-        # ("cache": the owning program reads the newest K / V back after a barrier)
-        self.new_kv_from = "registers"
         if attn_prologue is None:
-            value = env_switch(ATTN_PROLOGUE_ENV, "0", ("0", "1", "cache"))
-            attn_prologue = value != "0"
-            if value == "cache":
-                self.new_kv_from = "cache"
+            attn_prologue = env_switch(ATTN_PROLOGUE_ENV, "1", ("0", "1")) == "1"
         self.attn_prologue = attn_prologue
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
@@ -236,9 +231,7 @@ class TritonBackend:
                 self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata, scale,
                 k_scale, v_scale, qk_norm, sliding_window,
             )  # fmt: skip
-        prologue = AttentionPrologue(
-            positions, k, v, cos_sin_cache, metadata.slot_mapping, qk_norm, self.new_kv_from
-        )
+        prologue = AttentionPrologue(positions, k, v, cos_sin_cache, metadata.slot_mapping, qk_norm)
         return self._attention(
             q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window, prologue
         )

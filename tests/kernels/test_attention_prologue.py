@@ -63,9 +63,8 @@ def _same(a, b, dtype):
         assert_close_rel(a.float(), b.float(), dtype)
 
 
-def _both(splits, *args, new_kv_from="registers", **kw):
+def _both(splits, *args, **kw):
     fused = TritonBackend(attn_num_splits=splits, attn_prologue=True)
-    fused.new_kv_from = new_kv_from
     apart = TritonBackend(attn_num_splits=splits, attn_prologue=False)
     return _attend(fused, *args, **kw), _attend(apart, *args, **kw)
 
@@ -73,12 +72,9 @@ def _both(splits, *args, new_kv_from="registers", **kw):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-@pytest.mark.parametrize("new_kv_from", ["registers", "cache"])
-def test_prologue_in_the_attention_launch_equals_two_launches(
-    dtype, block_size, splits, new_kv_from, device
-):
+def test_prologue_in_the_attention_launch_equals_two_launches(dtype, block_size, splits, device):
     case = _case(dtype, device, block_size=block_size)
-    (out, kv), (out_ref, kv_ref) = _both(splits, *case, new_kv_from=new_kv_from)
+    (out, kv), (out_ref, kv_ref) = _both(splits, *case)
     assert out.dtype == dtype and out.shape == case[1].shape
     # the same roundings in the same order; other layers untouched
     _same(out, out_ref, dtype)
@@ -104,14 +100,13 @@ def test_qk_norm_in_the_attention_launch_tracks_two_launches(dtype, heads, devic
 
 
 @pytest.mark.parametrize("splits", [None, 4])
-@pytest.mark.parametrize("new_kv_from", ["registers", "cache"])
-def test_prologue_with_an_fp8_cache_equals_two_launches(splits, new_kv_from, device):
+def test_prologue_with_an_fp8_cache_equals_two_launches(splits, device):
     fp8 = torch.float8_e4m3fn
     positions, q, k, v, table, kv, meta, _ = _case(torch.bfloat16, device, cache_dtype=fp8)
     scales = (0.25, 0.5)
     # values past e4m3's max once scaled: the saturation is exercised too
     args = (positions, q, 40 * k, 40 * v, table, kv, meta)
-    (out, kv_out), (out_ref, kv_ref) = _both(splits, *args, scales=scales, new_kv_from=new_kv_from)
+    (out, kv_out), (out_ref, kv_ref) = _both(splits, *args, scales=scales)
     _same(out, out_ref, torch.bfloat16)
     _same(kv_out, kv_ref, torch.bfloat16)
     assert kv_out[:, 1, 0].float().abs().max() == 448  # saturated somewhere
@@ -156,12 +151,13 @@ def test_prefill_rows_take_two_launches(device):
 
 
 def test_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("PDSERVE_TRITON_ATTN_PROLOGUE", raising=False)
+    assert TritonBackend().attn_prologue  # on by default
     monkeypatch.setenv("PDSERVE_TRITON_ATTN_PROLOGUE", "1")
-    assert TritonBackend().attn_prologue and TritonBackend().new_kv_from == "registers"
-    monkeypatch.setenv("PDSERVE_TRITON_ATTN_PROLOGUE", "cache")
-    assert TritonBackend().attn_prologue and TritonBackend().new_kv_from == "cache"
+    assert TritonBackend().attn_prologue
     monkeypatch.setenv("PDSERVE_TRITON_ATTN_PROLOGUE", "0")
     assert not TritonBackend().attn_prologue
     monkeypatch.setenv("PDSERVE_TRITON_ATTN_PROLOGUE", "yes")
     with pytest.raises(ValueError, match="PDSERVE_TRITON_ATTN_PROLOGUE"):
         TritonBackend()
+    assert not TritonBackend(attn_prologue=False).attn_prologue  # an explicit choice wins

@@ -60,10 +60,10 @@ from services.kernels.triton.attention_config import attention_config
 from services.kernels.triton.attention_merge import merge_splits_kernel, store_rows
 from services.kernels.triton.attention_prologue import (
     AttentionPrologue,
-    new_kv,
     prologue_args,
     prologue_fits,
     rotated_q_tile,
+    store_new_kv,
 )
 
 _LOG2E = 1.4426950408889634
@@ -86,8 +86,7 @@ def _paged_attention_kernel(
     num_seqs, num_q_heads, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    # PROLOGUE (attention_prologue.py; 1: the newest K / V from registers, 2: from the
-    # cache after a CTA barrier): rope_and_store_kv's inputs; placeholders otherwise
+    # PROLOGUE (attention_prologue.py): rope_and_store_kv's inputs; placeholders otherwise
     pos_ptr, cs_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, slot_ptr, eps, k_store_scale,
     stride_pos, stride_cs_t, stride_cs_d, stride_knt, stride_knh, stride_knd,
     stride_vnt, stride_vnh, stride_vnd,
@@ -174,19 +173,14 @@ def _paged_attention_kernel(
         tile_hi = num_tiles
 
     if PROLOGUE:  # this step's key and value, stored by the program whose split reads them
-        new_pos = kv_end - 1
         owns = (num_tiles - 1 >= tile_lo) & (num_tiles - 1 < tile_hi)
         tok0 = q_start.to(tl.int64)  # the sequence's one query row
-        k_new, v_new = new_kv(k_ptr, v_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, tok0, kv_head, owns,
-                              eps, k_store_scale, v_scale, k_cache_ptr, v_cache_ptr,
-                              stride_pos, stride_cs_t, stride_cs_d, stride_knt, stride_knh,
-                              stride_knd, stride_vnt, stride_vnh, stride_vnd, stride_kb, stride_ks,
-                              stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                              NORM, HEAD_DIM // 2, BLOCK_SIZE, KV_FP8, FP8_TOP, FP8_MIN_EXP)  # fmt: skip
-        if KV_FP8:
-            k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-        if PROLOGUE == 2:  # the key loop reads them back from the cache: wait for the store
-            tl.debug_barrier()
+        store_new_kv(k_ptr, v_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, tok0, kv_head, owns, eps,
+                     k_store_scale, v_scale, k_cache_ptr, v_cache_ptr, stride_pos, stride_cs_t,
+                     stride_cs_d, stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh,
+                     stride_vnd, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                     stride_vh, stride_vd, NORM, HEAD_DIM // 2, BLOCK_SIZE, KV_FP8, FP8_TOP,
+                     FP8_MIN_EXP)  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -207,8 +201,6 @@ def _paged_attention_kernel(
         )  # [HEAD_DIM_P, TILE_N]
         if KV_FP8:
             k = k.to(q.dtype)
-        if PROLOGUE == 1:  # the newest key from registers: its store may not have landed yet
-            k = tl.where((kv_pos == new_pos)[None, :], k_new[:, None], k)
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PRECISION)
         else:
@@ -233,8 +225,6 @@ def _paged_attention_kernel(
         )  # [TILE_N, HEAD_DIM_P]
         if KV_FP8:
             v = v.to(q.dtype)
-        if PROLOGUE == 1:
-            v = tl.where((kv_pos == new_pos)[:, None], v_new[None, :], v)
         p = p.to(v.dtype)
         if UPCAST_DOT:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
