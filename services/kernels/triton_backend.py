@@ -39,6 +39,11 @@ def _gemv_takes(x, weight) -> bool:
     return x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.is_contiguous()
 
 
+def _qk_norm_fuses(q, qk_norm) -> bool:
+    """Whether a fused prologue may apply this q/k norm: it rounds to q's dtype."""
+    return qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == q.dtype
+
+
 def _row_settings(config):
     # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
     # K-loop depth and tile the tuner measured fastest here (the defaults if None)
@@ -196,8 +201,8 @@ class TritonBackend:
     ):  # fmt: skip
         args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
                 v_scale, qk_norm)  # fmt: skip
-        if qk_norm is not None and not qk_norm[0].dtype == qk_norm[1].dtype == q.dtype:
-            return rope_and_store_kv_unfused(self, *args)  # the fused norm rounds to q's dtype
+        if not _qk_norm_fuses(q, qk_norm):
+            return rope_and_store_kv_unfused(self, *args)
         return tk.rope_and_store_kv(*args)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:
@@ -224,9 +229,7 @@ class TritonBackend:
         scale, k_scale=None, v_scale=None, qk_norm=None, sliding_window=None,
     ):  # fmt: skip
         fits = self.attn_prologue and prologue_fits(q.shape[-1], metadata.max_query_len)
-        if qk_norm is not None and not qk_norm[0].dtype == qk_norm[1].dtype == q.dtype:
-            fits = False  # the fused norm rounds to q's dtype
-        if not fits:
+        if not (fits and _qk_norm_fuses(q, qk_norm)):
             return attention_with_prologue_unfused(
                 self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata, scale,
                 k_scale, v_scale, qk_norm, sliding_window,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from services.kernels.triton.cache import _round_to_fp8_e4m3
+from services.kernels.triton.rope_cache import norm_rope_halves
 
 
 @dataclass(frozen=True)
@@ -84,28 +85,6 @@ def prologue_args(
 
 
 @triton.jit
-def _norm_rope_halves(
-    x1, x2, w_ptr, c, s, eps, dtype, NORM: tl.constexpr, HALF: tl.constexpr, AXIS: tl.constexpr
-):
-    """rope_cache._norm_rope_heads on loaded halves (fp32; AXIS: the one of length HALF,
-    0 or 1): per-row RMSNorm (optional), then neox RoPE, each result rounded to dtype
-    (held as fp32)."""
-    if NORM:
-        var = (tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / (2 * HALF)
-        r = tl.rsqrt(var + eps)
-        if AXIS == 1:
-            r = r[:, None]
-        dims = tl.arange(0, HALF)
-        w1 = tl.load(w_ptr + dims).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + dims).to(tl.float32)
-        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    y1 = (x1 * c - x2 * s).to(dtype).to(tl.float32)
-    y2 = (x2 * c + x1 * s).to(dtype).to(tl.float32)
-    return y1, y2
-
-
-@triton.jit
 def rotated_q_tile(
     q_ptr, qw_ptr, pos_ptr, cs_ptr, tok, head, row_ok, eps,
     stride_qt, stride_qh, stride_qd, stride_pos, stride_cs_t, stride_cs_d,
@@ -122,7 +101,7 @@ def rotated_q_tile(
     x1 = tl.load(x, mask=row_ok[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(x + HALF * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
-    y1, y2 = _norm_rope_halves(x1, x2, qw_ptr, c, s, eps, dtype, NORM, HALF, 1)
+    y1, y2 = norm_rope_halves(x1, x2, qw_ptr, dims, dims < HALF, c, s, eps, dtype, NORM, HALF, 1)
     q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, 2 * HALF))
     return q.to(dtype)
 
@@ -142,19 +121,18 @@ def store_new_kv(
     store nothing (masked). Then every thread of the CTA waits until the stores are
     visible to the others: the key loop after this reads them back."""
     dims = tl.arange(0, HALF)
-    all_dims = tl.arange(0, 2 * HALF)
+    all_dims = tl.arange(0, 2 * HALF)[None, :]  # k and v as one-row tiles [1, 2 * HALF]
     slot = tl.load(slot_ptr + tok, mask=owns, other=-1).to(tl.int64)
     pos = tl.load(pos_ptr + tok * stride_pos, mask=owns, other=0).to(tl.int64)
-    c = tl.load(cs_ptr + pos * stride_cs_t + dims * stride_cs_d, mask=owns, other=0.0)
-    s = tl.load(cs_ptr + pos * stride_cs_t + (HALF + dims) * stride_cs_d, mask=owns, other=0.0)
-    k = k_ptr + tok * stride_kt + kv_head * stride_kh + dims * stride_kd
+    cs = cs_ptr + pos * stride_cs_t + dims[None, :] * stride_cs_d
+    c = tl.load(cs, mask=owns, other=0.0).to(tl.float32)
+    s = tl.load(cs + HALF * stride_cs_d, mask=owns, other=0.0).to(tl.float32)
+    k = k_ptr + tok * stride_kt + kv_head * stride_kh + dims[None, :] * stride_kd
     k1 = tl.load(k, mask=owns, other=0.0).to(tl.float32)
     k2 = tl.load(k + HALF * stride_kd, mask=owns, other=0.0).to(tl.float32)
     dtype = k_ptr.dtype.element_ty
-    y1, y2 = _norm_rope_halves(
-        k1, k2, kw_ptr, c.to(tl.float32), s.to(tl.float32), eps, dtype, NORM, HALF, 0
-    )
-    k_new = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (2 * HALF,))
+    y1, y2 = norm_rope_halves(k1, k2, kw_ptr, dims, dims < HALF, c, s, eps, dtype, NORM, HALF, 1)
+    k_new = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (1, 2 * HALF))
     v_new = tl.load(v_ptr + tok * stride_vt + kv_head * stride_vh + all_dims * stride_vd,
                     mask=owns, other=0.0)  # fmt: skip
     if FP8:

@@ -34,6 +34,27 @@ from services.kernels.triton.cache import _round_to_fp8_e4m3
 
 
 @triton.jit
+def norm_rope_halves(
+    x1, x2, w_ptr, dims, dim_ok, c, s, eps, dtype,
+    NORM: tl.constexpr, HALF: tl.constexpr, AXIS: tl.constexpr,
+):  # fmt: skip
+    """Loaded halves of heads (fp32, AXIS the last: dims along it, dim_ok its mask):
+    RMSNorm over each head with the weight at w_ptr (NORM), then neox RoPE with c / s,
+    each result rounded to dtype (held as fp32). The one place the fused prologues
+    (here and attention_prologue.py) spell these roundings."""
+    if NORM:
+        var = (tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / (2 * HALF)
+        r = tl.expand_dims(tl.rsqrt(var + eps), AXIS)
+        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    y1 = (x1 * c - x2 * s).to(dtype).to(tl.float32)
+    y2 = (x2 * c + x1 * s).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _norm_rope_heads(
     x_ptr, w_ptr, toks, tok_ok, cos, sin, num_heads, stride_t, stride_h, stride_d, eps,
     NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -52,17 +73,9 @@ def _norm_rope_heads(
     x1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + off + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    if NORM:
-        var = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF)
-        r = tl.rsqrt(var + eps)[:, :, None]
-        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, None, :]
-        w2 = tl.load(w_ptr + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, None, :]
-        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     c = cos[:, None, :]
     s = sin[:, None, :]
-    y1 = (x1 * c - x2 * s).to(dtype).to(tl.float32)
-    y2 = (x2 * c + x1 * s).to(dtype).to(tl.float32)
+    y1, y2 = norm_rope_halves(x1, x2, w_ptr, dims, dim_ok, c, s, eps, dtype, NORM, HALF, 2)
     return y1, y2, mask, heads, dims
 
 
