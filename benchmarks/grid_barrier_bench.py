@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.kernels.timing import time_graph_us
 from services.kernels.triton._launch import num_sms, pdl_sync, use_pdl
 
 O_N, O_K = tl.constexpr(2048), tl.constexpr(4096)
@@ -113,22 +114,9 @@ def _layers(n, dev):
     return [(w(O_N, O_K), w(2 * GU_N, GU_K), w(D_N, D_K)) for _ in range(n)]
 
 
-def _time(fn, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(replays):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / replays
+def _time(fn) -> float:
+    """Microseconds per CUDA-graph replay of fn (the whole chain)."""
+    return time_graph_us(fn, calls=1, replays=20)
 
 
 def main() -> None:
