@@ -1,7 +1,8 @@
 """Compile pdserve's one-row GEMV kernels for an H100/H200 (sm_90) on a machine without
 a GPU and report what decides their bandwidth before any device time is spent: whether
 the K loop is pipelined (cp.async copies into shared memory), the shared memory a
-program takes, its registers and spills (Triton's own ptxas, `-v`).
+program takes, its registers and spills (Triton's own ptxas, `-v`), and the SASS
+instructions a thread runs per pass of the K loop (Triton's cuobjdump).
 
 Arguments are specialised as Triton's launcher would for real tensors: pointers and
 sizes 16-divisible, unit strides along K constant 1.
@@ -9,7 +10,8 @@ sizes 16-divisible, unit strides along K constant 1.
     python benchmarks/compile_sm90.py fp8:8,1024,4,1 fp8:8,1024,4,3 gated:8,256,4,3
     (KERNEL:block_n,block_k,num_warps,num_stages[,k_fold]; KERNEL is gemv, fp8, gated or
     down (a MoE's), gemv+norm / fp8+norm (the RMSNorm folded in) or gemv+silu / fp8+silu
-    (a dense gate_up with its SiLU, gated_gemv.py); k_fold for all but down)
+    (a dense gate_up with its SiLU, gated_gemv.py), fp8q / fp8q+silu (x quantized by
+    the norm before, norm_quant.py); k_fold for all but down)
 
 Prints one JSON line per kernel. Run it without TRITON_INTERPRET (the interpreter's
 kernels cannot be compiled).
@@ -66,7 +68,30 @@ def compile_report(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
         "smem": compiled.metadata.shared,
         "regs": int(regs.group(1)),
         "spill_bytes": int(spills.group(1)),
+        "loop_instructions": _longest_loop(compiled.asm["cubin"]),
     }
+
+
+def _longest_loop(cubin: bytes) -> int:
+    """SASS instructions a thread runs per pass of the kernel's longest loop (the K
+    loop, for a GEMV): the span of its longest backward branch (Triton's cuobjdump)."""
+    tool = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True)
+    addrs, longest = [], 0
+    for line in sass.stdout.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        addrs.append(addr)
+        target = re.search(r"BRA\s+(?:!?P\d,\s*)?0x([0-9a-f]+)", m.group(2))
+        if target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            longest = max(longest, sum(1 for a in addrs if start <= a <= addr))
+    return longest
 
 
 _NORM_PTRS = dict(res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", x_out_ptr="*bf16",
@@ -82,14 +107,15 @@ def _gemv(block_n, block_k, warps, stages, fold=1, norm=False, silu=False):
     return compile_report(mod._gemv_kernel, ptrs, ce, warps)
 
 
-def _fp8(block_n, block_k, warps, stages, fold=1, norm=False, silu=False):
+def _fp8(block_n, block_k, warps, stages, fold=1, norm=False, silu=False, prequant=False):
     from services.kernels.triton import fp8_gemv
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16",
-                out_ptr="*bf16", **_NORM_PTRS)  # fmt: skip
+                out_ptr="*bf16", xs_ptr="*fp32", **_NORM_PTRS)  # fmt: skip
     ce = dict(HAS_NORM=norm, GATED=silu, GRANULARITY=0, GROUP=128, SCALE_N=128, HAS_BIAS=False, EVEN_K=True,
               FP8_MAX_=448.0, MIN_AMAX=1e-12, ROUND_IN_FP32=False, BLOCK_N=block_n,
-              BLOCK_K=block_k, NUM_STAGES=stages, USE_PDL=True, FOLD=fold)  # fmt: skip
+              BLOCK_K=block_k, NUM_STAGES=stages, USE_PDL=True, FOLD=fold,
+              PREQUANT=prequant)  # fmt: skip
     return compile_report(fp8_gemv._fp8_gemv_kernel, ptrs, ce, warps)
 
 
@@ -119,6 +145,11 @@ KERNELS = {
     "fp8+norm": lambda *a: _fp8(*a, norm=True) if len(a) == 5 else _fp8(*a, 1, True),
     "gemv+silu": lambda *a: _gemv(*a, silu=True) if len(a) == 5 else _gemv(*a, 1, silu=True),
     "fp8+silu": lambda *a: _fp8(*a, silu=True) if len(a) == 5 else _fp8(*a, 1, silu=True),
+    # x quantized by the norm before it (norm_quant.py)
+    "fp8q": lambda *a: _fp8(*a, prequant=True) if len(a) == 5 else _fp8(*a, 1, prequant=True),
+    "fp8q+silu": lambda *a: (
+        _fp8(*a, silu=True, prequant=True) if len(a) == 5 else _fp8(*a, 1, silu=True, prequant=True)
+    ),
     "gated": _gated,
     "down": _down,
 }

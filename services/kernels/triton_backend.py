@@ -17,7 +17,7 @@ from services.kernels.interface import (
     mixes_decode_rows,
     rope_and_store_kv_unfused,
 )
-from services.kernels.triton import fp8_gemv, gated_gemv, norm_fold
+from services.kernels.triton import fp8_gemv, gated_gemv, norm_fold, norm_quant
 from services.kernels.triton._launch import env_switch
 from services.kernels.triton.attention_prologue import AttentionPrologue, prologue_fits
 from services.kernels.triton.gemv import GEMV_DTYPES, GEMV_MAX_ROWS, launch_config
@@ -32,6 +32,10 @@ GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
 # batch's RoPE + KV write inside its attention launch (attention_prologue.py); "0" in a
 # kernel of its own
 ATTN_PROLOGUE_ENV = "PDSERVE_TRITON_ATTN_PROLOGUE"
+# "1" has a norm not folded into the FP8 GEMV after it quantize the row for it
+# (norm_quant.py: the GEMV's programs then skip that work); "0" (the default until a
+# device times it) leaves the quantization to every GEMV program
+FP8_PREQUANT_ENV = "PDSERVE_TRITON_FP8_PREQUANT"
 
 
 def _gemv_takes(x, weight) -> bool:
@@ -62,6 +66,7 @@ class TritonBackend:
         norm_fold: bool | None = None,
         gated_gemv: bool | None = None,
         attn_prologue: bool | None = None,
+        fp8_prequant: bool | None = None,
     ):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
@@ -77,6 +82,10 @@ class TritonBackend:
         if attn_prologue is None:
             attn_prologue = env_switch(ATTN_PROLOGUE_ENV, "1", ("0", "1")) == "1"
         self.attn_prologue = attn_prologue
+        # add_rms_norm_linear's norm quantizes the row for an FP8 GEMV (None: the environment)
+        if fp8_prequant is None:
+            fp8_prequant = env_switch(FP8_PREQUANT_ENV, "0", ("0", "1")) == "1"
+        self.fp8_prequant = fp8_prequant
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
         return None  # every op reads lengths from device tensors (mixed_graph.py)
@@ -104,6 +113,10 @@ class TritonBackend:
             if folded is not None:
                 out, normed, residual = folded
                 return (self.silu_and_mul(out) if gated and not in_gemv else out), normed, residual
+        if self.fp8_prequant:
+            quantized = self._prequantized(x, residual, norm_weight, eps, layer, gated, config)
+            if quantized is not None:
+                return quantized
         normed, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
         if gated:
             return self.linear_silu_and_mul(normed, layer, config), normed, residual
@@ -174,6 +187,26 @@ class TritonBackend:
             )
         else:
             return None
+        return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)
+
+    def _prequantized(self, x, residual, norm_weight, eps, layer, gated, config):
+        """The norm quantizing one row for the FP8 GEMV after it (norm_quant.py; gated
+        only with the activation in the GEMV), or None where that GEMV does not take it."""
+        fmt, k = fp8_format_of(layer), x.shape[-1]
+        if fmt is None or x.numel() != k or residual.shape != x.shape:
+            return None
+        if not x.dtype == residual.dtype == norm_weight.dtype:
+            return None
+        row, weight = x.reshape(1, k), layer.weight
+        if not fp8_gemv.supports(1, fmt, weight) or (gated and not self.gated_gemv):
+            return None
+        row_stages, row_fold = _row_settings(config)
+        if gated and not self._gated_fp8_fits(row, layer, row_stages, row_fold):
+            return None
+        out, normed, res = norm_quant.add_rms_norm_quant_fp8_gemv(
+            row, residual.reshape(1, k), norm_weight, eps, weight, layer.weight_scale, fmt,
+            layer.bias, num_stages=row_stages, fold=row_fold, gated=gated,
+        )  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)
 
     def rms_norm(self, x, weight, eps):

@@ -151,10 +151,11 @@ def _fp8_tile(
     offs_k, K, GRANULARITY: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     FP8_MAX_: tl.constexpr, MIN_AMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8_TY, FOLD: tl.constexpr, norm, HAS_NORM: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, xs_ptr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """(part, part_u) + one K tile's products: x quantized and dequantized, times W's
-    tile (GATED: and times the up rows' tile w_u, with their own block scales)."""
+    tile (GATED: and times the up rows' tile w_u, with their own block scales).
+    PREQUANT: x already quantized, its groups' (or row's) scales at xs_ptr."""
     if GRANULARITY == 0:
         # per 128-column group: the activation scale, and the weight's block scale; x
         # is read as [groups, GROUP] so the scales need no reshapes, one at the end
@@ -162,12 +163,16 @@ def _fp8_tile(
         offs_g = tl.arange(0, G)
         cols = k + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         x2 = _x_at(x_ptr, cols, K, EVEN_K, norm, HAS_NORM)
-        s = activation_scale(tl.max(tl.abs(x2), axis=1), MIN_AMAX, FP8_MAX_)
-        inv_s = reciprocal_rn(s)
         g_idx = k // GROUP + offs_g
         g_ok = g_idx * GROUP < K
         ws = tl.load(ws_row + g_idx * stride_wsk, mask=g_ok, other=0.0)
-        q = _quantized(x2, s[:, None], inv_s[:, None], FP8_MAX_, ROUND_IN_FP32, FP8_TY)
+        if PREQUANT:  # x2 holds the e4m3 values already (norm_quant.py)
+            s = tl.load(xs_ptr + g_idx, mask=g_ok, other=1.0)
+            q = x2
+        else:
+            s = activation_scale(tl.max(tl.abs(x2), axis=1), MIN_AMAX, FP8_MAX_)
+            q = _quantized(x2, s[:, None], reciprocal_rn(s)[:, None], FP8_MAX_, ROUND_IN_FP32,
+                           FP8_TY)  # fmt: skip
         xd = tl.reshape(q * (s * ws)[:, None], [BLOCK_K])
         if GATED:
             ws_u = tl.load(ws_row_u + g_idx * stride_wsk, mask=g_ok, other=0.0)
@@ -175,7 +180,7 @@ def _fp8_tile(
             part_u += folded(w_u.to(tl.float32) * xd_u[None, :], FOLD)
     else:
         x = _x_at(x_ptr, k + offs_k, K, EVEN_K, norm, HAS_NORM)
-        xd = _quantized(x, x_scale, inv_x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
+        xd = x if PREQUANT else _quantized(x, x_scale, inv_x_scale, FP8_MAX_, ROUND_IN_FP32, FP8_TY)
         if GATED:
             part_u += folded(w_u.to(tl.float32) * xd[None, :], FOLD)
     return part + folded(w.to(tl.float32) * xd[None, :], FOLD), part_u
@@ -214,6 +219,8 @@ def _fp8_gemv_kernel(
     HAS_NORM: tl.constexpr,
     gate_rows,  # GATED: the gate's rows (N = 2 * gate_rows, a multiple of ROWS)
     GATED: tl.constexpr,
+    xs_ptr,  # PREQUANT: x holds the quantized row, these its groups' (row's) scales
+    PREQUANT: tl.constexpr,
 ):
     fp8_ty = w_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -242,7 +249,9 @@ def _fp8_gemv_kernel(
     norm = (res_ptr, nw_ptr, res_out_ptr, x_out_ptr, rstd, pid == 0)
     x_scale = 1.0
     inv_x_scale = 1.0
-    if GRANULARITY != 0:  # one activation scale per row: amax over all of K first
+    if GRANULARITY != 0 and PREQUANT:
+        x_scale = tl.load(xs_ptr)
+    elif GRANULARITY != 0:  # one activation scale per row: amax over all of K first
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         no_store = (res_ptr, nw_ptr, res_out_ptr, x_out_ptr, rstd, False)
         for k in range(0, K, BLOCK_K):
@@ -260,7 +269,7 @@ def _fp8_gemv_kernel(
         part, part_u = _fp8_tile(
             part, w, part_u, w_u, x_ptr, ws_row, ws_row_u, stride_wsk, x_scale, inv_x_scale,
             0, offs_k, K, GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32,
-            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED,
+            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED, xs_ptr, PREQUANT,
         )  # fmt: skip
         w_ptrs += BLOCK_K
         w_ptrs_u += BLOCK_K
@@ -273,7 +282,7 @@ def _fp8_gemv_kernel(
         part, part_u = _fp8_tile(
             part, w, part_u, w_u, x_ptr, ws_row, ws_row_u, stride_wsk, x_scale, inv_x_scale,
             k, offs_k, K, GRANULARITY, GROUP, EVEN_K, FP8_MAX_, MIN_AMAX, ROUND_IN_FP32,
-            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED,
+            BLOCK_K, fp8_ty, FOLD, norm, HAS_NORM, GATED, xs_ptr, PREQUANT,
         )  # fmt: skip
         w_ptrs += BLOCK_K
         w_ptrs_u += BLOCK_K
@@ -381,9 +390,11 @@ def gated_rows_fit(n: int, cfg: Fp8GemvConfig) -> bool:
     return n % 2 == 0 and (n // 2) % max(1, cfg.block_n // 2) == 0
 
 
-def run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None, gated=False):
+def run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None, gated=False,
+        x_scales=None):  # fmt: skip
     """The GEMV's launch for checked inputs (fp8_gemv's; norm: add_rms_norm_fp8_gemv's;
-    gated: out [1, N / 2] takes silu(gate) * up, gated_gemv.py)."""
+    gated: out [1, N / 2] takes silu(gate) * up, gated_gemv.py; x_scales: x is already
+    quantized, these its activation groups' scales, norm_quant.py)."""
     k = x.shape[1]
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
@@ -429,6 +440,8 @@ def run(x, weight, weight_scale, fmt, bias, config, num_stages, fold, norm=None,
         **fold_launch_args(x, norm),
         gate_rows=n // 2,
         GATED=gated,
+        xs_ptr=x if x_scales is None else x_scales,  # never read without PREQUANT
+        PREQUANT=x_scales is not None,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )
