@@ -1,15 +1,18 @@
 """A decode row's residual add + RMSNorm that also quantizes the normalised row for the
-block-FP8 GEMV after it: every 128-column group's activation scale and its values on
-the e4m3 grid, computed once here instead of again in every GEMV program.
+FP8 GEMV after it: each activation group's scale (128 columns for block weights, the
+whole row for per-channel ones) and its values on the e4m3 grid, computed once here
+instead of again in every GEMV program.
 
 Why: the one-row FP8 GEMV (fp8_gemv.py) quantizes its tile's slice of x in every
-program, about half of its K loop's instructions (docs/performance.md, fourteenth
-session: 648 a 8 x 2048 tile, 328 of them x's), and on an H200 that loop is near the
+program, about half of its K loop's instructions, and on an H200 that loop is near the
 SM's issue limit. A norm sees the whole row, so it can do that work once; the GEMV
 then reads the quantized values and scales (PREQUANT) and its loop keeps only the
-weight's work. Same numbers: the same rounding of the normalised row, the same scale
-and e4m3 rounding (fp8_gemv._quantized), so the GEMV's output is bit for bit the one it
-computes from the normalised row itself (tests/kernels/test_norm_quant.py).
+weight's work: 425 instructions a default 8 x 2048 tile instead of 647, compiled for
+sm_90 (docs/performance.md). Same numbers: the same rounding of the normalised row, the
+same scale and e4m3 rounding (fp8_gemv._quantized), so the GEMV's output is bit for bit
+the one it computes from the normalised row itself (tests/kernels/test_norm_quant.py).
+On an H100 the norm's extra work outweighed the GEMVs' gain (PDSERVE_TRITON_FP8_PREQUANT
+in triton_backend.py, off by default).
 
 The quantized values are stored in the row's dtype (every e4m3 value is exact in
 bf16, fp16 and fp32), so the GEMV's x tile loads them as it loads the row."""
@@ -51,8 +54,8 @@ def _norm_quant_kernel(
     # then per group of GROUP columns (zeros past K change no group's amax)
     xg = tl.reshape(x.to(tl.float32), [G_P, GROUP])
     scale = activation_scale(tl.max(tl.abs(xg), axis=1), MIN_AMAX_, FP8_MAX_)
-    q = fp8_gemv._quantized(xg, scale[:, None], reciprocal_rn(scale)[:, None], FP8_MAX_, ROUND_IN_FP32,
-                   FP8_TY)  # fmt: skip
+    inv = reciprocal_rn(scale)
+    q = fp8_gemv._quantized(xg, scale[:, None], inv[:, None], FP8_MAX_, ROUND_IN_FP32, FP8_TY)
     offs_g = tl.arange(0, G_P)
     gcols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     tl.store(xq_ptr + gcols, q.to(xq_ptr.dtype.element_ty), mask=gcols < K)
