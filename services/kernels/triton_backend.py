@@ -49,6 +49,22 @@ def _qk_norm_fuses(q, qk_norm) -> bool:
     return qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == q.dtype
 
 
+def _one_norm_row(x, residual, norm_weight) -> bool:
+    """Whether add_rms_norm_linear's inputs are one row that a one-launch norm path takes:
+    x and residual of one shape, all three of one dtype."""
+    k = x.shape[-1]
+    return (
+        x.numel() == k
+        and residual.shape == x.shape
+        and (x.dtype == residual.dtype == norm_weight.dtype)
+    )
+
+
+def _shaped_as(x, out, normed, residual):
+    """A one-row path's (out, normed, residual) in x's leading shape."""
+    return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), residual.view(x.shape)
+
+
 def _row_settings(config):
     # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
     # K-loop depth and tile the tuner measured fastest here (the defaults if None)
@@ -157,11 +173,9 @@ class TritonBackend:
         """The norm folded into the linear's one-row GEMV (bf16 or FP8; gated: with the
         silu_and_mul after it), or None where that GEMV does not take this row or the
         fold would not pay (norm_fold.py): then the norm runs on its own."""
+        if not _one_norm_row(x, residual, norm_weight):
+            return None
         k = x.shape[-1]
-        if x.numel() != k or residual.shape != x.shape:
-            return None
-        if not x.dtype == residual.dtype == norm_weight.dtype:
-            return None
         row_stages, row_fold = _row_settings(config)
         weight, fmt = layer.weight, fp8_format_of(layer)
         row, n = x.reshape(1, k), weight.shape[0]
@@ -188,27 +202,26 @@ class TritonBackend:
             )
         else:
             return None
-        return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)
+        return _shaped_as(x, out, normed, res)
 
     def _prequantized(self, x, residual, norm_weight, eps, layer, gated, config):
         """The norm quantizing one row for the FP8 GEMV after it (norm_quant.py; gated
         only with the activation in the GEMV), or None where that GEMV does not take it."""
         fmt, k = fp8_format_of(layer), x.shape[-1]
-        if fmt is None or x.numel() != k or residual.shape != x.shape:
-            return None
-        if not x.dtype == residual.dtype == norm_weight.dtype:
+        if fmt is None or not _one_norm_row(x, residual, norm_weight):
             return None
         row, weight = x.reshape(1, k), layer.weight
-        if not fp8_gemv.supports(1, fmt, weight) or (gated and not self.gated_gemv):
-            return None
         row_stages, row_fold = _row_settings(config)
-        if gated and not self._gated_fp8_fits(row, layer, row_stages, row_fold):
+        if gated:
+            if not (self.gated_gemv and self._gated_fp8_fits(row, layer, row_stages, row_fold)):
+                return None
+        elif not fp8_gemv.supports(1, fmt, weight):
             return None
         out, normed, res = norm_quant.add_rms_norm_quant_fp8_gemv(
             row, residual.reshape(1, k), norm_weight, eps, weight, layer.weight_scale, fmt,
             layer.bias, num_stages=row_stages, fold=row_fold, gated=gated,
         )  # fmt: skip
-        return out.view(*x.shape[:-1], out.shape[-1]), normed.view(x.shape), res.view(x.shape)
+        return _shaped_as(x, out, normed, res)
 
     def rms_norm(self, x, weight, eps):
         return tk.rms_norm(x, weight, eps)

@@ -27,7 +27,7 @@ from services.kernels.fp8 import MIN_AMAX, Fp8Format, fp8_max
 from services.kernels.triton import fp8_gemv
 from services.kernels.triton._launch import check_device, is_interpreted, pdl_sync, use_pdl
 from services.kernels.triton.fp8_round import activation_scale, reciprocal_rn
-from services.kernels.triton.norm import check_fold_inputs
+from services.kernels.triton.norm import check_fold_inputs, normed_cols
 
 
 @triton.jit
@@ -39,20 +39,16 @@ def _norm_quant_kernel(
 ):  # fmt: skip
     pdl_sync(USE_PDL)
     ty = res_ptr.dtype.element_ty
-    # the norm over a [1, G_P * GROUP] row, the shape fused_add_rms_norm's kernel sums
+    # the squares summed over a [1, G_P * GROUP] row, the shape fused_add_rms_norm's
+    # kernel sums, then the row normalised and stored as the folds round it (normed_cols)
     cols = tl.arange(0, G_P * GROUP)[None, :]
     ok = cols < K
     h = tl.load(h_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    s = (h + tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(ty)
-    tl.store(res_out_ptr + cols, s, mask=ok)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=1) / K + eps)
-    # rounded as fused_add_rms_norm rounds: the normalised row, then times the weight
-    y = (sf * rstd[:, None]).to(ty).to(tl.float32)
-    x = (y * tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(ty)
-    tl.store(normed_ptr + cols, x, mask=ok)
+    s = (h + tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s * s, axis=1) / K + eps)
+    x = normed_cols(h_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, cols, ok, rstd, True)
     # then per group of GROUP columns (zeros past K change no group's amax)
-    xg = tl.reshape(x.to(tl.float32), [G_P, GROUP])
+    xg = tl.reshape(x, [G_P, GROUP])
     scale = activation_scale(tl.max(tl.abs(xg), axis=1), MIN_AMAX_, FP8_MAX_)
     inv = reciprocal_rn(scale)
     q = fp8_gemv._quantized(xg, scale[:, None], inv[:, None], FP8_MAX_, ROUND_IN_FP32, FP8_TY)
