@@ -37,6 +37,7 @@ ATTN_PROLOGUE_ENV = "PDSERVE_TRITON_ATTN_PROLOGUE"
 # the quantization to every GEMV program (an H100 ran Llama-3-8B FP8 1% slower with it;
 # the H200, where the FP8 loop is near the issue limit, is untimed)
 FP8_PREQUANT_ENV = "PDSERVE_TRITON_FP8_PREQUANT"
+FP8_PREQUANT_MODES = ("0", "1", "gated")
 
 
 def _gemv_takes(x, weight) -> bool:
@@ -83,7 +84,7 @@ class TritonBackend:
         norm_fold: bool | None = None,
         gated_gemv: bool | None = None,
         attn_prologue: bool | None = None,
-        fp8_prequant: bool | None = None,
+        fp8_prequant: str | None = None,
     ):
         # None: pick the flash-decoding split count from the batch shape and the GPU.
         self.attn_num_splits = attn_num_splits
@@ -99,9 +100,12 @@ class TritonBackend:
         if attn_prologue is None:
             attn_prologue = env_switch(ATTN_PROLOGUE_ENV, "1", ("0", "1")) == "1"
         self.attn_prologue = attn_prologue
-        # add_rms_norm_linear's norm quantizes the row for an FP8 GEMV (None: the environment)
+        # add_rms_norm_linear's norm quantizes the row for an FP8 GEMV: "1" before every
+        # one, "gated" before a gated gate_up only, "0" never (None: the environment)
         if fp8_prequant is None:
-            fp8_prequant = env_switch(FP8_PREQUANT_ENV, "0", ("0", "1")) == "1"
+            fp8_prequant = env_switch(FP8_PREQUANT_ENV, "0", FP8_PREQUANT_MODES)
+        if fp8_prequant not in FP8_PREQUANT_MODES:
+            raise ValueError(f"fp8_prequant={fp8_prequant!r}: expected one of {FP8_PREQUANT_MODES}")
         self.fp8_prequant = fp8_prequant
 
     def mixed_graph_blocker(self, token_counts) -> str | None:
@@ -130,7 +134,7 @@ class TritonBackend:
             if folded is not None:
                 out, normed, residual = folded
                 return (self.silu_and_mul(out) if gated and not in_gemv else out), normed, residual
-        if self.fp8_prequant:
+        if self.fp8_prequant == "1" or (self.fp8_prequant == "gated" and gated):
             quantized = self._prequantized(x, residual, norm_weight, eps, layer, gated, config)
             if quantized is not None:
                 return quantized

@@ -1,5 +1,6 @@
 """The engine with PDSERVE_TRITON_FP8_PREQUANT=1 (each norm before an FP8 GEMV, where
-the norm is not folded into it, quantizes the row once: norm_quant.py) against the same
+the norm is not folded into it, quantizes the row once: norm_quant.py) or =gated (only
+the norm before a gated gate_up) against the same
 engine with every GEMV program quantizing the row itself: the same tokens and logprobs,
 bit for bit under Triton's interpreter, and the quantizing norm really ran. A block-FP8
 checkpoint (test_fp8_checkpoints.py's: qkv and gated gate_up) and online per-channel FP8."""
@@ -58,18 +59,20 @@ def _generate(model, device, monkeypatch, prequant: str):
     return out.token_ids, out.logprobs
 
 
+@pytest.mark.parametrize("mode", ["1", "gated"])
 @pytest.mark.parametrize("kind", ["block", "online"], ids=["block-fp8", "online-channel-fp8"])
 def test_the_prequantizing_engine_equals_the_plain_one(
-    kind, models, device, monkeypatch, quant_calls
+    kind, mode, models, device, monkeypatch, quant_calls
 ):
     off = _generate(models[kind], device, monkeypatch, "0")
     assert quant_calls == {"plain": 0, "gated": 0}
-    on = _generate(models[kind], device, monkeypatch, "1")
+    on = _generate(models[kind], device, monkeypatch, mode)
     assert on == off
     layers = json.loads((models[kind][0] / "config.json").read_text())["num_hidden_layers"]
-    # each decode step: every layer's gate_up (gated), and every qkv but the first
-    # layer's (no residual yet: a plain RMSNorm)
-    assert quant_calls == {"plain": (layers - 1) * DECODE_STEPS, "gated": layers * DECODE_STEPS}
+    # each decode step: every layer's gate_up (gated), and with "1" every qkv but the
+    # first layer's too (no residual yet: a plain RMSNorm)
+    plain = (layers - 1) * DECODE_STEPS if mode == "1" else 0
+    assert quant_calls == {"plain": plain, "gated": layers * DECODE_STEPS}
 
 
 def test_a_mistyped_prequant_switch_is_refused(monkeypatch):
@@ -78,4 +81,6 @@ def test_a_mistyped_prequant_switch_is_refused(monkeypatch):
     monkeypatch.setenv("PDSERVE_TRITON_FP8_PREQUANT", "yes")
     with pytest.raises(ValueError, match="PDSERVE_TRITON_FP8_PREQUANT"):
         TritonBackend()
-    assert TritonBackend(fp8_prequant=True).fp8_prequant is True  # an explicit choice wins
+    assert TritonBackend(fp8_prequant="gated").fp8_prequant == "gated"  # an explicit choice wins
+    with pytest.raises(ValueError, match="fp8_prequant"):
+        TritonBackend(fp8_prequant=True)
