@@ -95,6 +95,21 @@ def test_a_non_power_of_two_block_takes_the_gemm(device):
     assert rel_err(fp8_gemm.fp8_linear(x, layer), ref) < tol
 
 
+@pytest.mark.parametrize(
+    "n,block_n",
+    [
+        (6144, 16),  # Llama-3-8B qkv: 768 8-row programs past 4 a SM, 384 fit 3 a SM
+        (4096, 8),  # o, down: 512 fit one wave of 8-row programs
+        (28672, 8),  # gate_up: many waves either way
+        (10240, 8),  # Llama-3-70B qkv: 640 16-row programs would not fit one wave either
+        (1024, 2),  # narrower below two programs a SM
+    ],
+)
+def test_the_default_tile_makes_one_wave_where_16_rows_can(n, block_n):
+    fmt = FORMATS["block"]
+    assert fp8_gemv.default_config(n, 4096, fmt, num_sms=132).block_n == block_n
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["block", "channel", "tensor"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])

@@ -95,15 +95,16 @@ def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:
 
 
 def default_config(n: int, k: int, fmt: Fp8Format, num_sms: int) -> Fp8GemvConfig:
-    """8 x 2048 tiles, 4 warps, 16 adjacent columns summed before the partial tile
-    (k_fold): without the fold a 2048-wide tile needs twice the registers (247), so
-    the earlier default, 8 x 1024 (16 x 512 for N >= 16384) from H200 sweeps, kept half
-    the weight bytes in flight. H100 (docs/performance.md): Llama-3-8B block-FP8 down
-    22.9 -> 21.5 us, o 7.3 -> 7.2, batch-1 decode 3.77 -> 3.62 ms. Narrower when there
-    would be fewer than two programs per SM."""
+    """8 x 2048 tiles, 4 warps, 16 adjacent columns summed first (k_fold; without it the
+    tile needs 247 registers): H100 Llama-3-8B FP8 decode 3.77 -> 3.62 ms against 8 x 1024.
+    Narrower below two programs per SM. 16 rows where that makes one wave: an sm_90 SM
+    holds four 8-row programs (127 registers) or three 16-row ones (168), and a partial
+    last wave is a latency-bound tail (H100, Llama-3-8B's qkv: 11.0 -> 10.1 us)."""
     block_n, block_k = 8, 2048
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
+    if block_n == 8 and triton.cdiv(n, 8) > 4 * num_sms and triton.cdiv(n, 16) <= 3 * num_sms:
+        block_n = 16
     return _fit(Fp8GemvConfig(block_n, block_k, 4, DEFAULT_STAGES, 16), k, fmt)
 
 
