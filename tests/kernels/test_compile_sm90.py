@@ -64,3 +64,18 @@ def test_a_row_quantized_by_the_norm_shortens_the_fp8_k_loop():
         assert reports[own]["loop_instructions"] > 0
         assert reports[given]["loop_instructions"] < 0.8 * reports[own]["loop_instructions"]
         assert reports[given]["spill_bytes"] == 0
+
+
+@pytest.mark.skipif(not os.access(PTXAS, os.X_OK), reason="this triton wheel has no ptxas")
+def test_the_default_tiles_fit_the_programs_per_sm_the_one_wave_rule_assumes():
+    """fp8_gemv.default_config picks 16-row tiles where only they fit one wave, counting
+    PROGRAMS_PER_SM: what the compiled 8- and 16-row default tiles' registers allow on an
+    sm_90 SM (65536 registers, allocated a warp at a time in 256s; 4 warps a program)."""
+    from services.kernels.triton.fp8_gemv import PROGRAMS_PER_SM
+
+    reports = _compile([f"fp8:{rows},2048,4,1,16" for rows in PROGRAMS_PER_SM])
+    for rows, per_sm in PROGRAMS_PER_SM.items():
+        report = reports[f"fp8:{rows},2048,4,1,16"]
+        per_warp = -(-report["regs"] * 32 // 256) * 256
+        assert 65536 // (4 * per_warp) == per_sm, report
+        assert report["spill_bytes"] == 0 and report["smem"] * per_sm <= 228 * 1024, report

@@ -52,11 +52,12 @@ from services.kernels.triton.norm import (
     row_rstd,
 )
 
-# W tiles in flight by default: 1 (plain loads) until a deeper K loop is measured on
-# a device (benchmarks/fp8_gemv_bench.py --stages; benchmarks/compile_sm90.py shows it
-# compiles to cp.async copies without spills)
+# W tiles in flight by default: 1 (plain loads); 3 was slower on an H100 (Llama-3-8B FP8
+# batch 1 3.77 -> 3.90 ms, docs/performance.md), and the kernel tuner times both per GPU
 DEFAULT_STAGES = 1
 _GRANULARITY_CODE = {"block": 0, "channel": 1, "tensor": 2}
+# programs an sm_90 SM holds of the default tile, by rows (127, 168 registers: test_compile_sm90)
+PROGRAMS_PER_SM = {8: 4, 16: 3}
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,13 @@ def supports(x_rows: int, fmt: Fp8Format, weight: torch.Tensor) -> bool:
 def default_config(n: int, k: int, fmt: Fp8Format, num_sms: int) -> Fp8GemvConfig:
     """8 x 2048 tiles, 4 warps, 16 adjacent columns summed first (k_fold; without it the
     tile needs 247 registers): H100 Llama-3-8B FP8 decode 3.77 -> 3.62 ms against 8 x 1024.
-    Narrower below two programs per SM. 16 rows where that makes one wave: an sm_90 SM
-    holds four 8-row programs (127 registers) or three 16-row ones (168), and a partial
+    Narrower below two programs per SM; 16 rows where only they fit one wave: a partial
     last wave is a latency-bound tail (H100, Llama-3-8B's qkv: 11.0 -> 10.1 us)."""
     block_n, block_k = 8, 2048
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
-    if block_n == 8 and triton.cdiv(n, 8) > 4 * num_sms and triton.cdiv(n, 16) <= 3 * num_sms:
+    slots = {rows: per_sm * num_sms for rows, per_sm in PROGRAMS_PER_SM.items()}
+    if block_n == 8 and triton.cdiv(n, 8) > slots[8] and triton.cdiv(n, 16) <= slots[16]:
         block_n = 16
     return _fit(Fp8GemvConfig(block_n, block_k, 4, DEFAULT_STAGES, 16), k, fmt)
 
