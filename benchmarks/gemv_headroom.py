@@ -26,30 +26,37 @@ from services.kernels.triton import fp8_gemv
 from services.kernels.triton.gated_gemv import fp8_gemv_silu_and_mul, gemv_silu_and_mul
 from services.kernels.triton.gemv import gemv
 from services.kernels.triton.norm_quant import add_rms_norm_quant
+from services.kernels.tuner_cases import random_fp8_layer
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 FMT = Fp8Format("block", 128, 128)
 
 
-def _fp8_weight(n: int, k: int):
-    w = (torch.rand(n, k, device="cuda") * 2 - 1).mul(400).to(torch.float8_e4m3fn)
-    return w, torch.rand(FMT.scale_shape(n, k), device="cuda") * 1e-4 + 1e-4
-
-
 def _kernels(k: int, gated: bool):
-    """name -> (bytes a weight element, weight maker, call(weights, x, xq, xs))."""
-    bf16 = (lambda n: (torch.randn(n, k, device="cuda", dtype=torch.bfloat16),),)
-    own = fp8_gemv_silu_and_mul if gated else fp8_gemv.fp8_gemv
+    """name -> (bytes a weight element, weight maker for n rows, call(weight, x, xq, xs))."""
+    gen = torch.Generator().manual_seed(0)
+
+    def bf16_weight(n):
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+
+    def fp8_weight(n):
+        return random_fp8_layer(k, n, FMT, gen, "cuda")
+
+    def bf16(w, x, xq, xs):
+        return (gemv_silu_and_mul if gated else gemv)(x, w)
+
+    def fp8(w, x, xq, xs):
+        own = fp8_gemv_silu_and_mul if gated else fp8_gemv.fp8_gemv
+        return own(x, w.weight, w.weight_scale, FMT, None)
+
+    def fp8_prequant(w, x, xq, xs):
+        args = (w.weight, w.weight_scale, FMT, None, None, None, None)
+        return fp8_gemv.run(xq, *args, gated=gated, x_scales=xs)
+
     return {
-        "bf16": (2, *bf16, lambda w, x, xq, xs: (gemv_silu_and_mul if gated else gemv)(x, w[0])),
-        "fp8": (1, functools.partial(_fp8_weight, k=k), lambda w, x, xq, xs: own(x, *w, FMT, None)),
-        "fp8 prequant": (
-            1,
-            functools.partial(_fp8_weight, k=k),
-            lambda w, x, xq, xs: fp8_gemv.run(
-                xq, *w, FMT, None, None, None, None, gated=gated, x_scales=xs
-            ),
-        ),
+        "bf16": (2, bf16_weight, bf16),
+        "fp8": (1, fp8_weight, fp8),
+        "fp8 prequant": (1, fp8_weight, fp8_prequant),
     }
 
 

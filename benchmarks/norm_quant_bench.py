@@ -16,6 +16,7 @@ from services.kernels.triton import fp8_gemv
 from services.kernels.triton.gated_gemv import fp8_gemv_silu_and_mul
 from services.kernels.triton.norm import fused_add_rms_norm
 from services.kernels.triton.norm_quant import add_rms_norm_quant
+from services.kernels.tuner_cases import random_fp8_layer
 
 fmt = Fp8Format("block", 128, 128)
 k = 4096
@@ -28,11 +29,11 @@ print(torch.cuda.get_device_name(), f"norm {plain:.2f} us, norm+quant {quant:.2f
 x, _ = fused_add_rms_norm(h, r, nw, 1e-5)
 _, _, xq, xs = add_rms_norm_quant(h, r, nw, 1e-5, 128, torch.float8_e4m3fn)
 for name, n, gated in (("qkv", 6144, False), ("gate_up", 28672, True)):
-    layers = []
-    for _ in range(copies_past_l2(n * k)):
-        w = (torch.rand(n, k, device="cuda") * 2 - 1).mul(400).to(torch.float8_e4m3fn)
-        s = torch.rand(fmt.scale_shape(n, k), device="cuda") * 1e-4 + 1e-4
-        layers.append((w, s))
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        (lay.weight, lay.weight_scale)
+        for lay in (random_fp8_layer(k, n, fmt, gen, "cuda") for _ in range(copies_past_l2(n * k)))
+    ]
     own = fp8_gemv_silu_and_mul if gated else fp8_gemv.fp8_gemv
     a = cycled_graph_us([functools.partial(own, x, w, s, fmt, None) for w, s in layers])
     given = [
