@@ -7,6 +7,8 @@ Runs wherever Triton does: CUDA and ROCm GPUs, or a CPU under TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from services.kernels import triton as tk
@@ -33,9 +35,11 @@ GATED_GEMV_ENV = "PDSERVE_TRITON_GATED_GEMV"
 # kernel of its own
 ATTN_PROLOGUE_ENV = "PDSERVE_TRITON_ATTN_PROLOGUE"
 # "1" has a norm not folded into the FP8 GEMV after it quantize the row for it
-# (norm_quant.py: the GEMV's programs then skip that work); "0", the default, leaves
-# the quantization to every GEMV program (an H100 ran Llama-3-8B FP8 1% slower with it;
-# the H200, where the FP8 loop is near the issue limit, is untimed)
+# (norm_quant.py: the GEMV's programs then skip that work); "gated" only before a gated
+# gate_up; "0" leaves the quantization to every GEMV program. Unset: the mode the kernel
+# tuner picked for this GPU (a tuned config's "prequant", tuner_prequant.py), else "0"
+# (an H100 ran Llama-3-8B FP8 1% slower with "1"; the H200's FP8 loop is near its issue
+# limit, where fewer instructions may pay)
 FP8_PREQUANT_ENV = "PDSERVE_TRITON_FP8_PREQUANT"
 FP8_PREQUANT_MODES = ("0", "1", "gated")
 
@@ -67,12 +71,13 @@ def _shaped_as(x, out, normed, residual):
 
 
 def _row_settings(config):
-    # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]]}, the GEMV's
-    # K-loop depth and tile the tuner measured fastest here (the defaults if None)
+    # config: {"row_stages": S[, "row_fold": [block_k, k_fold, warps[, block_n]]][,
+    # "prequant": mode]}, the GEMV's K-loop depth and tile the tuner measured fastest
+    # here (the defaults where absent or None)
     if config is None:
         return None, None
     fold = config.get("row_fold")
-    return config["row_stages"], None if fold is None else tuple(map(int, fold))
+    return config.get("row_stages"), None if fold is None else tuple(map(int, fold))
 
 
 class TritonBackend:
@@ -101,10 +106,11 @@ class TritonBackend:
             attn_prologue = env_switch(ATTN_PROLOGUE_ENV, "1", ("0", "1")) == "1"
         self.attn_prologue = attn_prologue
         # add_rms_norm_linear's norm quantizes the row for an FP8 GEMV: "1" before every
-        # one, "gated" before a gated gate_up only, "0" never (None: the environment)
-        if fp8_prequant is None:
+        # one, "gated" before a gated gate_up only, "0" never. None: the environment's,
+        # and where that is unset too, each call's config (the tuner's pick) or "0"
+        if fp8_prequant is None and os.environ.get(FP8_PREQUANT_ENV) is not None:
             fp8_prequant = env_switch(FP8_PREQUANT_ENV, "0", FP8_PREQUANT_MODES)
-        if fp8_prequant not in FP8_PREQUANT_MODES:
+        if fp8_prequant is not None and fp8_prequant not in FP8_PREQUANT_MODES:
             raise ValueError(f"fp8_prequant={fp8_prequant!r}: expected one of {FP8_PREQUANT_MODES}")
         self.fp8_prequant = fp8_prequant
 
@@ -134,7 +140,8 @@ class TritonBackend:
             if folded is not None:
                 out, normed, residual = folded
                 return (self.silu_and_mul(out) if gated and not in_gemv else out), normed, residual
-        if self.fp8_prequant == "1" or (self.fp8_prequant == "gated" and gated):
+        mode = self._prequant_mode(config)
+        if mode == "1" or (mode == "gated" and gated):
             quantized = self._prequantized(x, residual, norm_weight, eps, layer, gated, config)
             if quantized is not None:
                 return quantized
@@ -142,6 +149,16 @@ class TritonBackend:
         if gated:
             return self.linear_silu_and_mul(normed, layer, config), normed, residual
         return self.linear(normed, layer, config), normed, residual
+
+    def _prequant_mode(self, config) -> str:
+        """The FP8 prequant mode of a call: the backend's own (an argument or the
+        environment) over the tuned config's, "0" where neither says."""
+        if self.fp8_prequant is not None:
+            return self.fp8_prequant
+        mode = "0" if config is None else config.get("prequant", "0")
+        if mode not in FP8_PREQUANT_MODES:
+            raise ValueError(f"config prequant={mode!r}: expected one of {FP8_PREQUANT_MODES}")
+        return mode
 
     def linear_silu_and_mul(self, x, layer, config=None):
         k = x.shape[-1]

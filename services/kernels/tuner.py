@@ -45,11 +45,12 @@ from services.kernels.shape_classes import (
 )
 from services.kernels.timing import cpu_runoff, time_graph_us, time_us
 from services.kernels.torch_backend import TorchBackend
-from services.kernels.tuner_cases import run_case
+from services.kernels.tuner_cases import rel_err, run_case
+from services.kernels.tuner_prequant import tune_prequant
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 13  # 13: a 16-row FP8 one-row tile; 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 14  # 14: FP8 prequant per GPU; 13: a 16-row FP8 one-row tile; 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 # A CPU candidate whose first timed call takes this many times the best so far is
@@ -101,6 +102,8 @@ class TuningResult:
     # "op.class" -> the two candidates a CPU runoff timed again (their times_us are the
     # runoff's)
     runoffs: dict[str, list[str]] = field(default_factory=dict)
+    # fp8_linear.decode1's prequant modes timed (tuner_prequant.py): mode -> microseconds
+    prequant_us: dict[str, float] = field(default_factory=dict)
     device_name: str = ""
     measured_at: str = ""
     from_cache: bool = False
@@ -150,7 +153,8 @@ def config_label(cfg: dict) -> str:
         fold = cfg.get("row_fold")
         tile = "" if fold is None else f" k{fold[0]}f{fold[1]}w{fold[2]}"
         tile += f" n{fold[3]}" if fold is not None and len(fold) == 4 else ""
-        return f"gemv s{cfg['row_stages']}{tile}"
+        prequant = f" pq{cfg['prequant']}" if "prequant" in cfg else ""
+        return f"gemv s{cfg['row_stages']}{tile}{prequant}"
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
         f"g{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -327,7 +331,7 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                         call, out = run_case(
                             op, cls, shapes, sizes, device, shapes.torch_dtype, backend, cfg
                         )
-                        err = _rel_err(out, ref_out)
+                        err = rel_err(out, ref_out)
                         if not err <= tol:
                             rejected[cand] = f"relative error {err:.3g} > {tol:g}"
                             continue
@@ -363,6 +367,11 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                 result.choices[key] = "torch" if "torch" in names else "triton"
             runoff = f" (runoff of {result.runoffs[key]})" if key in result.runoffs else ""
             log.info("kernel tuner %s: %s %s%s", key, result.choices[key], times, runoff)
+            if key == "fp8_linear.decode1" and graph:  # and the norms' FP8 quantization
+                args = (result.choices, result.configs.get(key), shapes, device, tol)
+                picked = tune_prequant(*args, candidates.get("triton"))
+                if picked is not None:
+                    result.configs[key], result.prequant_us = picked
     return result
 
 
@@ -402,18 +411,6 @@ def _launch_configs(op, cls, shapes, sizes, device, best_so_far: dict) -> list[d
     return [default, best]
 
 
-def _rel_err(out, ref) -> float:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
-    worst = 0.0
-    for o, r in zip(outs, refs):
-        o, r = o.float().cpu(), r.float().cpu()
-        if o.shape != r.shape or not torch.isfinite(o).all():
-            return float("inf")
-        worst = max(worst, float((o - r).norm() / r.norm().clamp_min(1e-12)))
-    return worst
-
-
 # ---- cache file ------------------------------------------------------------------------
 def _read_cache(path: Path) -> dict:
     try:
@@ -430,6 +427,7 @@ def _write_cache(path: Path, key: str, result: TuningResult) -> None:
         "rejected": result.rejected,
         "configs": result.configs,
         "runoffs": result.runoffs,
+        "prequant_us": result.prequant_us,
         "device_name": result.device_name,
         "measured_at": result.measured_at,
     }

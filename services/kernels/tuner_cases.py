@@ -144,6 +144,20 @@ def run_case(op, cls, shapes: KernelShapes, sizes, device, dtype, backend, confi
     return call, out
 
 
+def rel_err(out, ref) -> float:
+    """The worst relative Frobenius error of out (a tensor or a sequence of them) against ref;
+    inf where shapes differ or a value is not finite."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o, r = o.float().cpu(), r.float().cpu()
+        if o.shape != r.shape or not torch.isfinite(o).all():
+            return float("inf")
+        worst = max(worst, float((o - r).norm() / r.norm().clamp_min(1e-12)))
+    return worst
+
+
 def kv_cache_case(shapes: KernelShapes, dtype, device) -> tuple[torch.dtype, tuple[float, ...]]:
     """The KV cache dtype and (k_scale, v_scale) the KV ops are measured with: an FP8
     cache is the FP8 type the engine allocates on this device (fnuz on MI300) and gets

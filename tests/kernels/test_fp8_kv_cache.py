@@ -167,8 +167,8 @@ def test_tuner_measures_kv_ops_on_a_scaled_fp8_cache(device):
     FP8 cache with scales 0.5 / 2.0: the real candidates match the fp32 reference, and
     one that ignored the scales would be rejected (its error is far above the bound)."""
     from services.kernels.shape_classes import KernelShapes
-    from services.kernels.tuner import REL_TOL, TuningSizes, _rel_err
-    from services.kernels.tuner_cases import run_case
+    from services.kernels.tuner import REL_TOL, TuningSizes
+    from services.kernels.tuner_cases import rel_err, run_case
 
     shapes = KernelShapes(64, 4, 2, 16, 96, 16, "bfloat16", kv_cache_dtype="fp8_e4m3")
     sizes = TuningSizes.tiny()
@@ -181,7 +181,7 @@ def test_tuner_measures_kv_ops_on_a_scaled_fp8_cache(device):
             assert ref.dtype == FP8_KV_DTYPE
         for backend in (ref_backend, triton):
             out = run_case(op, cls, shapes, sizes, device, shapes.torch_dtype, backend)[1]
-            assert _rel_err(out, ref) <= tol, (op, backend.name)
+            assert rel_err(out, ref) <= tol, (op, backend.name)
 
     class ScaleBlind(TritonBackend):  # a deliberately wrong candidate: drops the scales
         def paged_attention(self, q, k_cache, v_cache, metadata, scale, k_scale=None, v_scale=None):
@@ -189,4 +189,4 @@ def test_tuner_measures_kv_ops_on_a_scaled_fp8_cache(device):
 
     ref = run_case("paged_attention", "mixed", shapes, sizes, device, torch.float32, ref_backend)
     blind = run_case("paged_attention", "mixed", shapes, sizes, device, torch.float32, ScaleBlind())
-    assert _rel_err(blind[1], ref[1]) > 10 * tol
+    assert rel_err(blind[1], ref[1]) > 10 * tol

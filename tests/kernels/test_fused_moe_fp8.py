@@ -170,8 +170,8 @@ def test_tuner_measures_fused_moe_on_fp8_experts(quant, device):
     the scales would be rejected, and the GEMV path is not offered."""
     from services.kernels.shape_classes import KernelShapes
     from services.kernels.triton.moe_config import candidate_configs
-    from services.kernels.tuner import REL_TOL, TuningSizes, _rel_err
-    from services.kernels.tuner_cases import run_case
+    from services.kernels.tuner import REL_TOL, TuningSizes
+    from services.kernels.tuner_cases import rel_err, run_case
 
     common = dict(num_experts=4, top_k=2, moe_intermediate_size=32)
     shapes = KernelShapes(
@@ -184,7 +184,7 @@ def test_tuner_measures_fused_moe_on_fp8_experts(quant, device):
     device = torch.device(device)
     ref = run_case("fused_moe", "decode8", shapes, sizes, device, torch.float32, REF)[1]
     out = run_case("fused_moe", "decode8", shapes, sizes, device, torch.bfloat16, TritonBackend())
-    assert _rel_err(out[1], ref) <= REL_TOL[torch.bfloat16]
+    assert rel_err(out[1], ref) <= REL_TOL[torch.bfloat16]
 
     class ScaleBlind(TritonBackend):  # a deliberately wrong candidate: unit scales
         def fused_moe(self, x, logits, w13, w2, top_k, renormalize, config=None, fp8=None):
@@ -194,7 +194,7 @@ def test_tuner_measures_fused_moe_on_fp8_experts(quant, device):
             return super().fused_moe(x, logits, w13, w2, top_k, renormalize, config, ones)
 
     blind = run_case("fused_moe", "decode8", shapes, sizes, device, torch.float32, ScaleBlind())
-    assert _rel_err(blind[1], ref) > 10 * REL_TOL[torch.bfloat16]
+    assert rel_err(blind[1], ref) > 10 * REL_TOL[torch.bfloat16]
     configs = candidate_configs(1, 4, 32, 32, 2, FP8_DTYPE)
     assert configs and all(c.get("kernel", "gemm") == "gemm" for c in configs)
     with pytest.raises(ValueError, match="fp8_experts needs"):

@@ -82,5 +82,7 @@ def test_a_mistyped_prequant_switch_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="PDSERVE_TRITON_FP8_PREQUANT"):
         TritonBackend()
     assert TritonBackend(fp8_prequant="gated").fp8_prequant == "gated"  # an explicit choice wins
+    monkeypatch.delenv("PDSERVE_TRITON_FP8_PREQUANT")
+    assert TritonBackend().fp8_prequant is None  # unset: each call's tuned mode, else "0"
     with pytest.raises(ValueError, match="fp8_prequant"):
         TritonBackend(fp8_prequant=True)
