@@ -30,3 +30,20 @@ if not _HAS_CUDA:
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def quant_calls(monkeypatch):
+    """How many norms quantized the row for the FP8 GEMV after them, by plain and gated
+    (norm_quant.py's real kernels, counted)."""
+    from services.kernels.triton import norm_quant
+
+    calls = {"plain": 0, "gated": 0}
+    fn = norm_quant.add_rms_norm_quant_fp8_gemv
+
+    def counted(*args, **kwargs):
+        calls["gated" if kwargs.get("gated") else "plain"] += 1
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(norm_quant, "add_rms_norm_quant_fp8_gemv", counted)
+    return calls

@@ -29,22 +29,6 @@ def models(tmp_path_factory, block_fp8):  # noqa: F811 - the fixture imported ab
     return {"block": (block_fp8[0], None), "online": (llama, "fp8")}
 
 
-@pytest.fixture
-def quant_calls(monkeypatch):
-    """How many norms quantized the row for the GEMV after them (the real kernels)."""
-    from services.kernels.triton import norm_quant
-
-    calls = {"plain": 0, "gated": 0}
-    fn = norm_quant.add_rms_norm_quant_fp8_gemv
-
-    def counted(*args, **kwargs):
-        calls["gated" if kwargs.get("gated") else "plain"] += 1
-        return fn(*args, **kwargs)
-
-    monkeypatch.setattr(norm_quant, "add_rms_norm_quant_fp8_gemv", counted)
-    return calls
-
-
 def _generate(model, device, monkeypatch, prequant: str):
     path, quantization = model
     monkeypatch.setenv("PDSERVE_TRITON_NORM_FOLD", "0")  # the interpreter would fold them all

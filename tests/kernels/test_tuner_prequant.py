@@ -35,22 +35,6 @@ SHAPES = KernelShapes(
 TRITON_WINS = {"fp8_linear.decode1": "triton", "fused_add_rms_norm.decode1": "triton"}
 
 
-@pytest.fixture
-def quant_calls(monkeypatch):
-    """How many norms quantized the row for the GEMV after them (the real kernels)."""
-    from services.kernels.triton import norm_quant
-
-    calls = {"plain": 0, "gated": 0}
-    fn = norm_quant.add_rms_norm_quant_fp8_gemv
-
-    def counted(*args, **kwargs):
-        calls["gated" if kwargs.get("gated") else "plain"] += 1
-        return fn(*args, **kwargs)
-
-    monkeypatch.setattr(norm_quant, "add_rms_norm_quant_fp8_gemv", counted)
-    return calls
-
-
 def _triton(monkeypatch, **kwargs):
     from services.kernels.triton_backend import TritonBackend
 
