@@ -149,12 +149,12 @@ def config_label(cfg: dict) -> str:
             if k in cfg
         )
         return f"gemv {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}{stages}"
-    if "row_stages" in cfg:  # a one-row GEMV's K-loop depth and tile (linear, fp8_linear)
+    if "row_stages" in cfg or "prequant" in cfg:  # a one-row GEMV's (linear, fp8_linear)
         fold = cfg.get("row_fold")
         tile = "" if fold is None else f" k{fold[0]}f{fold[1]}w{fold[2]}"
         tile += f" n{fold[3]}" if fold is not None and len(fold) == 4 else ""
         prequant = f" pq{cfg['prequant']}" if "prequant" in cfg else ""
-        return f"gemv s{cfg['row_stages']}{tile}{prequant}"
+        return f"gemv s{cfg.get('row_stages', 1)}{tile}{prequant}"
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
         f"g{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"

@@ -151,6 +151,7 @@ def test_the_tuned_mode_shows_in_the_table_label():
     assert config_label({"row_stages": 1, "prequant": "1"}) == "gemv s1 pq1"
     tile = {"row_stages": 1, "row_fold": [2048, 16, 4, 16], "prequant": "gated"}
     assert config_label(tile) == "gemv s1 k2048f16w4 n16 pqgated"
+    assert config_label({"prequant": "0"}) == "gemv s1 pq0"  # the default depth
 
 
 @pytest.mark.gpu
