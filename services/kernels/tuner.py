@@ -17,6 +17,7 @@ reference (computed in fp32) by more than the dtype's relative-error bound."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import json
@@ -30,9 +31,8 @@ from pathlib import Path
 import torch
 
 from services.kernels.cache_dir import kernel_tuning_dir
-from services.kernels.cpu_backend import CpuOneDnnBackend, CpuSlabBackend
+from services.kernels.candidates import default_candidates, load_candidates
 from services.kernels.cpu_info import cpu_flags_digest, cpu_model
-from services.kernels.sdpa_backend import SdpaBackend
 from services.kernels.shape_classes import (
     DECODE_CLASSES,
     GRAPH_CLASSES,
@@ -44,13 +44,13 @@ from services.kernels.shape_classes import (
     ops_for,
 )
 from services.kernels.timing import cpu_runoff, time_graph_us, time_us
-from services.kernels.torch_backend import TorchBackend
 from services.kernels.tuner_cases import rel_err, run_case
 from services.kernels.tuner_prequant import tune_prequant
+from services.kernels.weight_copies import keep_one_weight_copy
 
 log = logging.getLogger(__name__)
 
-TUNER_VERSION = 14  # 14: FP8 prequant per GPU; 13: a 16-row FP8 one-row tile; 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
+TUNER_VERSION = 15  # 15: one CPU weight copy; 14: FP8 prequant per GPU; 13: a 16-row FP8 one-row tile; 12: one-row GEMVs' folded wide tiles; 11: one-row GEMVs' and MoE GEMVs' K-loop depth; 10: CPU runoffs; 9: prepacked oneDNN linear on CPU; 8: cuBLASLt block FP8 (scaled_mm), FP8 experts; 7: capture-safe picks for mixed-step graphs; 6: fused_moe launch configs, aiter MoE; 5: fused_moe; 4: decode1 class
 # Relative Frobenius error allowed against the fp32 torch reference.
 REL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 # A CPU candidate whose first timed call takes this many times the best so far is
@@ -102,6 +102,8 @@ class TuningResult:
     # "op.class" -> the two candidates a CPU runoff timed again (their times_us are the
     # runoff's)
     runoffs: dict[str, list[str]] = field(default_factory=dict)
+    # "op.class" -> the faster candidate it had before keep_one_weight_copy (weight_copies.py)
+    one_copy: dict[str, str] = field(default_factory=dict)
     # fp8_linear.decode1's prequant modes timed (tuner_prequant.py): mode -> microseconds
     prequant_us: dict[str, float] = field(default_factory=dict)
     device_name: str = ""
@@ -135,6 +137,8 @@ class TuningResult:
                 choice += " " + config_label(self.configs[key])
             if key in self.runoffs:
                 choice += " (runoff)"
+            if key in self.one_copy:
+                choice += f" (one weight copy: not {self.one_copy[key]})"
             lines.append(f"| {op} | {cls} | " + " | ".join(cells) + f" | {choice} | {speedup} |")
         return "\n".join(lines)
 
@@ -163,60 +167,6 @@ def config_label(cfg: dict) -> str:
 
 def _rejected_names(result: TuningResult) -> set[str]:
     return {c for r in result.rejected.values() for c in r}
-
-
-# ---- candidates -----------------------------------------------------------------------
-GPU_CANDIDATES = ("torch", "triton", "aiter", "sdpa", "scaled_mm")
-# Triton's kernels run on a CPU only under its interpreter (tests), where time means
-# nothing: a CPU measures its own candidates, which differ in linear only (SDPA's
-# attention lost to the reference at every class on the 2-core EPYC, and measuring
-# attention there took seconds of start-up); a first start measures for 2-3 s on
-# SmolLM2, most of it the decode linears over all 30 layers' weights (tuner_cases.py).
-CPU_CANDIDATES = ("torch", "cpu_slab", "cpu_onednn", "cpu_native")
-
-
-def default_candidates(device: torch.device | str) -> tuple[str, ...]:
-    return GPU_CANDIDATES if torch.device(device).type == "cuda" else CPU_CANDIDATES
-
-
-def load_candidates(names=GPU_CANDIDATES) -> dict[str, object]:
-    """Every candidate backend that constructs here (others are skipped, logged)."""
-    out: dict[str, object] = {}
-    for name in names:
-        try:
-            if name == "torch":
-                out[name] = TorchBackend()
-            elif name == "sdpa":
-                out[name] = SdpaBackend()
-            elif name == "cpu_slab":
-                out[name] = CpuSlabBackend()
-            elif name == "cpu_onednn":
-                out[name] = CpuOneDnnBackend()
-            elif name == "cpu_native":
-                # lazy: builds its C kernels on the first start (needs a C compiler)
-                from services.kernels.cpu_native import CpuNativeBackend
-
-                out[name] = CpuNativeBackend()
-            elif name == "scaled_mm":
-                # lazy: an FP8-only candidate that refuses to build off NVIDIA sm_89+
-                from services.kernels.scaled_mm_backend import ScaledMMBackend
-
-                out[name] = ScaledMMBackend()
-            elif name == "triton":
-                # lazy: triton is an optional, heavy import (absent on CPU-only installs)
-                from services.kernels.triton_backend import TritonBackend
-
-                out[name] = TritonBackend()
-            elif name == "aiter":
-                # lazy: aiter (or its shims over triton) is optional and heavy
-                from services.kernels.aiter_backend import AiterBackend
-
-                out[name] = AiterBackend(use_triton_gemm=True)
-            else:
-                raise ValueError(f"unknown kernel candidate {name!r}")
-        except Exception as exc:  # missing package, ROCm-only import, ...
-            log.info("kernel candidate %s unavailable: %s", name, exc)
-    return out
 
 
 # ---- measurement ----------------------------------------------------------------------
@@ -298,6 +248,8 @@ def tune(
             return TuningResult(**cached, from_cache=True)
     with _on_device(device):
         result = _measure(shapes, sizes, device, candidates, graphs)
+    if device.type == "cpu":
+        _trim_heap()
     result.device_name = name
     result.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write_cache(path, key, result)
@@ -372,6 +324,10 @@ def _measure(shapes, sizes, device, candidates, graphs: bool) -> TuningResult:
                 picked = tune_prequant(*args, candidates.get("triton"))
                 if picked is not None:
                     result.configs[key], result.prequant_us = picked
+    if device.type == "cpu":
+        result.one_copy = keep_one_weight_copy(result.choices, result.times_us)
+        for key, was in result.one_copy.items():
+            log.info("kernel tuner %s: %s, not %s (one weight copy)", key, result.choices[key], was)
     return result
 
 
@@ -427,6 +383,7 @@ def _write_cache(path: Path, key: str, result: TuningResult) -> None:
         "rejected": result.rejected,
         "configs": result.configs,
         "runoffs": result.runoffs,
+        "one_copy": result.one_copy,
         "prequant_us": result.prequant_us,
         "device_name": result.device_name,
         "measured_at": result.measured_at,
@@ -442,6 +399,15 @@ def _write_cache(path: Path, key: str, result: TuningResult) -> None:
             tmp.replace(path)
     except OSError as exc:  # a read-only home must not stop the worker
         log.warning("could not save kernel tuning to %s: %s", path, exc)
+
+
+def _trim_heap() -> None:
+    """Give the CPU measurement's freed tensors back to the OS: glibc keeps freed blocks
+    of up to 32 MB in its heap, which left a SmolLM2 worker 1.6 GB larger after tuning."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _on_device(device: torch.device):

@@ -191,13 +191,13 @@ def test_an_unwritable_cache_builds_a_copy_of_its_own(tmp_path, monkeypatch):
 
 
 def test_a_machine_that_cannot_build_it_says_why(tmp_path, monkeypatch, caplog):
-    from services.kernels.tuner import load_candidates
+    from services.kernels.candidates import load_candidates
 
     monkeypatch.setenv("PDSERVE_KERNEL_TUNING_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     with pytest.raises(RuntimeError, match="building kernels.c failed"):
         CpuNativeBackend()
-    caplog.set_level("INFO", logger="services.kernels.tuner")
+    caplog.set_level("INFO", logger="services.kernels.candidates")
     assert set(load_candidates(("torch", "cpu_native"))) == {"torch"}
     assert "kernel candidate cpu_native unavailable" in caplog.text
     assert not any(tmp_path.rglob("*.so"))
