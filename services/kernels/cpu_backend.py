@@ -51,11 +51,12 @@ def _derived_weight(layer, key: str, build):
 
 class CpuSlabBackend(TorchBackend):
     name = "cpu_slab"
+    weight_copy = "_weight_slabs"  # the layer attribute its copy lives in
 
     def linear(self, x, layer):
         if fp8_format_of(layer) is not None or x.dim() != 2 or x.device.type != "cpu":
             return super().linear(x, layer)
-        slabs = _derived_weight(layer, "_weight_slabs", column_slabs)
+        slabs = _derived_weight(layer, self.weight_copy, column_slabs)
         out = torch.bmm(x.expand(slabs.shape[0], -1, -1), slabs)  # [parts, rows, out / parts]
         # one row: the parts already lie in output order (a view, no copy)
         out = out.view(1, -1) if x.shape[0] == 1 else out.transpose(0, 1).reshape(x.shape[0], -1)
@@ -64,6 +65,7 @@ class CpuSlabBackend(TorchBackend):
 
 class CpuOneDnnBackend(TorchBackend):
     name = "cpu_onednn"
+    weight_copy = "_onednn_weight"
 
     def __init__(self):
         if not torch.backends.mkldnn.is_available():
@@ -85,6 +87,6 @@ class CpuOneDnnBackend(TorchBackend):
                 "which this CPU lacks"
             )
         packed = _derived_weight(
-            layer, "_onednn_weight", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)
+            layer, self.weight_copy, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)
         )
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")

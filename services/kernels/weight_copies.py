@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 
-# candidate -> the weight copy it keeps (cpu_backend.py)
-WEIGHT_COPIES = {"cpu_slab": "column slabs", "cpu_onednn": "prepacked oneDNN weight"}
+from services.kernels.cpu_backend import CpuOneDnnBackend, CpuSlabBackend
+
+# candidate -> the layer attribute holding the weight copy it keeps
+WEIGHT_COPIES = {b.name: b.weight_copy for b in (CpuSlabBackend, CpuOneDnnBackend)}
 
 
 def keep_one_weight_copy(

@@ -11,8 +11,6 @@ from services.kernels.shape_classes import KernelShapes
 from services.kernels.tuner import TuningSizes, tune
 from services.kernels.weight_copies import WEIGHT_COPIES, keep_one_weight_copy
 
-DERIVED = ("_weight_slabs", "_onednn_weight")  # cpu_backend.py's copies
-
 
 def _times(**per_class):
     return {f"linear.{cls}": dict(times) for cls, times in per_class.items()}
@@ -90,8 +88,7 @@ def test_the_default_engine_holds_at_most_one_copy_of_each_linear(colocated):
     model = colocated.engine.runner.model
     kinds = set()
     for module in model.modules():
-        held = [name for name in DERIVED if name in module.__dict__]
+        held = [name for name in WEIGHT_COPIES.values() if name in module.__dict__]
         assert len(held) <= 1, (type(module).__name__, held)
         kinds.update(held)
     assert len(kinds) <= 1, kinds
-    assert len(WEIGHT_COPIES) == len(DERIVED)
