@@ -10,6 +10,7 @@ from services.kernels.cpu_backend import CpuOneDnnBackend, CpuSlabBackend
 from services.kernels.shape_classes import KernelShapes
 from services.kernels.tuner import TuningSizes, tune
 from services.kernels.weight_copies import WEIGHT_COPIES, keep_one_weight_copy
+from tests.engine.helpers import assert_all_blocks_free
 
 
 def _times(**per_class):
@@ -85,6 +86,7 @@ def test_the_default_engine_holds_at_most_one_copy_of_each_linear(colocated):
     """The colocated engine on the default model after a request, as the tuner chose
     for this CPU: no linear keeps both copies, and no layer of one class another's."""
     colocated.generate(["The capital of France is"], SamplingParams(max_tokens=4))
+    assert_all_blocks_free(colocated)
     model = colocated.engine.runner.model
     kinds = set()
     for module in model.modules():
