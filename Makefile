@@ -1,6 +1,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# test processes: as many as cores and memory allow (tests/conftest.py); -n 0 for one
+PYTEST_PARALLEL ?= -n auto --dist worksteal
 
 .PHONY: setup run test lint proto clean
 
@@ -13,7 +15,7 @@ run: setup
 	$(VENV)/bin/pdserve up
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
