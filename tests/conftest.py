@@ -10,13 +10,9 @@ import pytest
 # Keep CPU tests within two cores' worth of threads and deterministic.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# `make test` runs `pytest -n auto`. One test process, with its engines and the worker
-# processes it starts, peaks near 6 GB (docs/performance.md), so memory caps how many
-# run. Up to two cores, one process per core with torch's default threads (the
-# measured setup); past that, one per two cores, each given its share of the cores for
-# torch's threads (inherited by the workers it starts), so the processes do not
-# oversubscribe the machine. (One thread per process was faster on two cores, but
-# three test_norm_fold_engine.py cases lost their bit-exact equality at one thread.)
+# `make test` runs `pytest -n auto`: one test process per core, as many as memory holds
+# (one, with its engines and the worker processes it starts, peaks near 6 GB:
+# docs/performance.md), each with its share of the cores for torch's threads.
 GB_PER_TEST_PROCESS = 6
 
 
@@ -27,15 +23,20 @@ def _cores() -> int:
 def pytest_xdist_auto_num_workers(config):
     from services.engine.kv_memory import host_available_bytes
 
-    cores = _cores()
     available = host_available_bytes()
-    by_memory = cores if available is None else available // (GB_PER_TEST_PROCESS << 30)
-    return max(1, min(cores if cores <= 2 else cores // 2, by_memory))
+    by_memory = _cores() if available is None else available // (GB_PER_TEST_PROCESS << 30)
+    return max(1, min(_cores(), by_memory))
 
 
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ and _cores() > 2:
-    share = _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(2, share)))
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Set before torch loads, and inherited by the worker processes a test starts. numpy's
+    # OpenBLAS (tl.dot under Triton's interpreter) would follow OMP_NUM_THREADS too, and
+    # its blocking, so the last bits of a dot, changes with its thread count: the
+    # bit-exact engine comparisons of test_norm_fold_engine.py hold at its default (one
+    # thread a core), which it keeps.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_cores()))
+    share = max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def pytest_collection_modifyitems(config, items):
