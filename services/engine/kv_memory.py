@@ -52,12 +52,14 @@ def host_memory_check(nbytes: int, num_blocks: int) -> None:
 
 
 def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed [num_blocks, ...] KV cache tensor (see the module's docstring)."""
     device = torch.device(device)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
+    host_memory_check(nbytes, shape[0])
     pages = mmap.mmap(-1, nbytes)  # anonymous and private: zero-filled on first touch
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)

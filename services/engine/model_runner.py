@@ -23,7 +23,7 @@ import torch
 
 from services.engine.cuda_graph import GRAPH_BACKENDS, CUDAGraphRunner, decode_graph_max_batch
 from services.engine.kernel_shapes import kernel_shapes
-from services.engine.kv_memory import host_memory_check, zeroed_kv_tensor
+from services.engine.kv_memory import zeroed_kv_tensor
 from services.engine.kv_spec import KVCacheSpec
 from services.engine.mixed_graph import MixedGraphs, mixed_capture_sizes
 from services.engine.sampler import (
@@ -233,8 +233,6 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._mirror("allocate_kv_cache", num_blocks)
         s = self.kv_spec
-        if self.device.type == "cpu":
-            host_memory_check(num_blocks * s.block_bytes, num_blocks)
         self.kv_cache = zeroed_kv_tensor(
             (num_blocks, s.num_kv_heads, s.num_layers, 2, s.block_size, s.head_dim),
             s.dtype,
